@@ -1,0 +1,520 @@
+"""Run configuration: frozen dataclasses, one per concern, loaded from YAML with dotted overrides.
+
+Every field has a docstring under it (``python -m mugrpo_megatron config --describe`` prints them).
+Loading checks types and rejects unknown keys; each section validates its own values in
+``__post_init__``; ``Config.check_world_size`` validates the layout for a world size. All of this
+runs before any process group exists, and every error names the key and the bad value.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+
+from mugrpo_megatron.objective import VETO_SCOPES
+
+
+class _Section:
+    """Shared validation helpers; ``_name`` is the section's key in the YAML file."""
+
+    _name: ClassVar[str] = ""
+
+    def _fail(self, key: str, why: str) -> None:
+        raise ValueError(f"{self._name}.{key}: {why}, got {getattr(self, key)!r}")
+
+    def _positive(self, *keys: str) -> None:
+        for key in keys:
+            if not getattr(self, key) > 0:
+                self._fail(key, "must be > 0")
+
+    def _non_negative(self, *keys: str) -> None:
+        for key in keys:
+            if getattr(self, key) < 0:
+                self._fail(key, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    _name: ClassVar[str] = "model"
+
+    path: str = ""
+    """Hugging Face checkpoint directory (config.json, safetensors, tokenizer files) to start from."""
+    trust_remote_code: bool = False
+    """Allow the checkpoint's own Python code to run when loading its tokenizer or config."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Parameter and compute dtype of the learner (fp32 master weights are kept by the optimizer)."""
+    fp8_format: Literal["e4m3", "hybrid"] | None = None
+    """FP8 training through Transformer Engine: 'e4m3' everywhere, or 'hybrid' (e5m2 gradients).
+    None trains without FP8. Needs TE and a GPU with FP8 support (Hopper or newer)."""
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
+    """FP8 scaling recipe passed to megatron-core; 'blockwise' and 'mxfp8' need a recent TE."""
+    recompute_activations: bool = False
+    """Recompute each transformer layer's activations in the backward pass (saves memory)."""
+
+    def __post_init__(self) -> None:
+        if self.fp8_format is not None and self.dtype == "float32":
+            self._fail("dtype", "FP8 training needs dtype bfloat16 or float16")
+
+
+@dataclass(frozen=True)
+class ParallelConfig(_Section):
+    _name: ClassVar[str] = "parallel"
+
+    tensor: int = 1
+    """Tensor-parallel size of the learner."""
+    pipeline: int = 1
+    """Pipeline-parallel size of the learner."""
+    virtual_pipeline: int | None = None
+    """Model chunks per pipeline stage (interleaved schedule); None for no virtual pipeline."""
+    expert: int = 1
+    """Expert-parallel size (MoE models only)."""
+    sequence_parallel: bool = False
+    """Shard layer-norm and dropout activations along the sequence over the TP group (needs TP > 1)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state and fp32 master weights over data-parallel ranks (ZeRO-1)."""
+    micro_batch_size: int = 1
+    """Responses per microbatch on each data-parallel rank."""
+
+    def __post_init__(self) -> None:
+        self._positive("tensor", "pipeline", "expert", "micro_batch_size")
+        if self.virtual_pipeline is not None:
+            if self.virtual_pipeline < 2:
+                self._fail("virtual_pipeline", "must be >= 2 or null")
+            if self.pipeline < 2:
+                self._fail("virtual_pipeline", "needs parallel.pipeline >= 2")
+        if self.sequence_parallel and self.tensor == 1:
+            self._fail("sequence_parallel", "needs parallel.tensor > 1")
+
+    def data_parallel(self, world_size: int) -> int:
+        """The data-parallel size for ``world_size`` processes; ValueError if it does not divide."""
+        model_parallel = self.tensor * self.pipeline
+        if world_size < 1 or world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline "
+                f"= {self.tensor} x {self.pipeline} = {model_parallel}"
+            )
+        dp = world_size // model_parallel
+        if dp % self.expert:
+            raise ValueError(f"parallel.expert: {self.expert} must divide the data-parallel size {dp}")
+        return dp
+
+
+@dataclass(frozen=True)
+class RolloutConfig(_Section):
+    _name: ClassVar[str] = "rollout"
+
+    engine: Literal["vllm", "sglang"] = "vllm"
+    """Rollout engine; imported only when chosen."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size of each engine replica (independent of the learner's layout)."""
+    group_size: int = 8
+    """G: responses sampled per prompt; advantages are normalised within each group."""
+    max_new_tokens: int = 512
+    """Longest response, in tokens; longer ones stop with finish reason 'length'."""
+    temperature: float = 1.0
+    """Sampling temperature (1.0 samples the policy itself, which the ratios assume)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; below 1.0 the behaviour log-probs are not the policy's."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    gpu_memory_utilization: float = 0.6
+    """Fraction of GPU memory the engine may take for weights and KV cache (GPU only)."""
+    cpu_kv_cache_gib: float = 1.0
+    """KV-cache size in GiB when the engine runs on CPU."""
+    sleep_between_phases: bool = True
+    """Release the engine's GPU memory (weights and KV cache) while the learner optimizes."""
+    weight_bucket_mb: int = 512
+    """Size of one bucket of weights streamed from the learner to the engine, in MiB."""
+    mismatch_check_samples: int = 4
+    """Engine samples re-scored by the learner after each weight sync (train/infer log-prob gap);
+    0 turns the check off."""
+    seed: int = 0
+    """Sampling seed of the engine."""
+
+    def __post_init__(self) -> None:
+        self._positive("tensor_parallel", "group_size", "max_new_tokens", "cpu_kv_cache_gib",
+                       "weight_bucket_mb")
+        self._non_negative("mismatch_check_samples")
+        if not 0 < self.temperature:
+            self._fail("temperature", "must be > 0")
+        if not 0 < self.top_p <= 1:
+            self._fail("top_p", "must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            self._fail("top_k", "must be -1 (off) or >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            self._fail("gpu_memory_utilization", "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class AlgoConfig(_Section):
+    _name: ClassVar[str] = "algo"
+
+    total_updates: int = 4096
+    """Optimizer updates in the whole run (the paper uses 4096 for both GRPO and Mu-GRPO)."""
+    updates_per_phase: int = 1024
+    """mu: optimizer updates per rollout refresh. 4 is standard GRPO; 1024 is Mu-GRPO's 4 phases."""
+    prompts_per_phase: int = 1024
+    """Prompts whose G responses are generated at the start of each phase."""
+    samples_per_update: int = 256
+    """Responses in one optimizer update (the minibatch), over all data-parallel ranks."""
+    clip_low: float = 1.0
+    """eps_low: the ratio is clipped below at 1 - clip_low (1.0 = no lower clip, as in [0, 5])."""
+    clip_high: float = 4.0
+    """eps_high: the ratio is clipped above at 1 + clip_high (4.0 = the paper's relaxed [0, 5])."""
+    veto_threshold: float | None = 1e-4
+    """Negative-advantage veto: a token of an A < 0 response whose ratio falls below this triggers
+    it. null disables the veto."""
+    veto_scope: Literal["none", "trigger", "suffix", "suffix_no_trigger", "sequence"] = "suffix"
+    """Tokens removed once a veto triggers: 'suffix' is the paper's S_kappa (after the first trigger)."""
+    adv_eps: float = 1e-6
+    """eps in A = (r - mean) / (std + eps)."""
+    drop_uniform_groups: bool = True
+    """Leave out of training the prompts whose G responses all got the same reward (A = 0 for all;
+    they only dilute the token count). They are counted either way."""
+    seed: int = 1234
+    """Seed for prompt order, minibatch shuffling and the learner's initialisation."""
+
+    def __post_init__(self) -> None:
+        self._positive("total_updates", "updates_per_phase", "prompts_per_phase",
+                       "samples_per_update", "adv_eps")
+        if self.total_updates % self.updates_per_phase:
+            self._fail("total_updates", f"must be a multiple of algo.updates_per_phase "
+                                        f"({self.updates_per_phase})")
+        if not 0 <= self.clip_low <= 1:
+            self._fail("clip_low", "must be in [0, 1] (the lower ratio bound 1 - clip_low >= 0)")
+        self._non_negative("clip_high")
+        if self.veto_threshold is not None and not 0 < self.veto_threshold < 1:
+            self._fail("veto_threshold", "must be in (0, 1) or null")
+        assert self.veto_scope in VETO_SCOPES
+
+    @property
+    def num_phases(self) -> int:
+        return self.total_updates // self.updates_per_phase
+
+
+@dataclass(frozen=True)
+class OptimConfig(_Section):
+    _name: ClassVar[str] = "optim"
+
+    lr: float = 1e-6
+    """Peak learning rate of Adam."""
+    min_lr: float = 0.0
+    """Learning rate at the end of a decaying schedule."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, over algo.total_updates."""
+    warmup_updates: int = 0
+    """Linear warm-up from 0 over this many updates."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        self._positive("lr", "adam_eps")
+        self._non_negative("min_lr", "warmup_updates", "weight_decay", "grad_clip")
+        if self.min_lr > self.lr:
+            self._fail("min_lr", f"must be <= optim.lr ({self.lr})")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                self._fail(key, "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    _name: ClassVar[str] = "data"
+
+    path: str = "builtin:arithmetic"
+    """Training prompts: a local .jsonl/.json/.parquet file, a hub dataset id, or
+    'builtin:arithmetic' for the offline seeded arithmetic task."""
+    split: str = "train"
+    """Split to read from a hub dataset."""
+    prompt_field: str = "question"
+    """Column holding the prompt text."""
+    answer_field: str = "answer"
+    """Column holding the reference answer."""
+    max_prompt_tokens: int = 512
+    """Longest prompt after the chat template, in tokens."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """What a malformed row does: stop loading with an error naming file and row, or be skipped and
+    counted."""
+    chat_template: bool = True
+    """Wrap each prompt in the tokenizer's chat template as a user turn."""
+    system_prompt: str | None = None
+    """System message put before each prompt when the chat template is used."""
+    instruction: str = "Put your final answer within \\boxed{}."
+    """Appended to each prompt so the reward finds an explicit answer anchor; '' to leave prompts as
+    they are."""
+    num_arithmetic_problems: int = 2000
+    """Problems generated for 'builtin:arithmetic'."""
+    arithmetic_max_operand: int = 50
+    """Largest operand of a generated arithmetic problem."""
+    eval_path: str | None = None
+    """Held-out prompts for evaluation (same formats as path); 'builtin:arithmetic' draws a
+    disjoint seeded set."""
+    eval_size: int = 64
+    """Held-out prompts scored before and after training."""
+    seed: int = 0
+    """Seed of the arithmetic generator."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            self._fail("path", "must name a file, a hub id or builtin:arithmetic")
+        for key in ("prompt_field", "answer_field"):
+            if not getattr(self, key):
+                self._fail(key, "must be a non-empty column name")
+        self._positive("max_prompt_tokens", "num_arithmetic_problems", "arithmetic_max_operand")
+        self._non_negative("eval_size")
+
+
+@dataclass(frozen=True)
+class RewardConfig(_Section):
+    _name: ClassVar[str] = "reward"
+
+    name: str = "math"
+    """A registered reward ('math') or a dotted path 'package.module:function' to a function
+    (completion: str, answer: str) -> float."""
+    timeout_s: float = 10.0
+    """Hard wall-clock limit for scoring one response; past it the worker is killed and the
+    response scores 0."""
+    num_workers: int = 2
+    """Processes scoring responses in parallel."""
+    max_answer_chars: int = 1000
+    """Longest extracted answer passed to the verifier; longer ones score 0 without parsing."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self._fail("name", "must be a registered name or a dotted path")
+        self._positive("timeout_s", "num_workers", "max_answer_chars")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    _name: ClassVar[str] = "checkpoint"
+
+    save_every_updates: int = 256
+    """Save the learner every this many updates (and at each phase end); 0 saves only at phase ends."""
+    keep_last: int = 2
+    """Learner checkpoints kept in the run directory; older ones are deleted."""
+    resume: bool = True
+    """Resume from the run directory's last checkpoint and persisted rollouts when there are any."""
+    load_from: str | None = None
+    """A Megatron checkpoint to start from instead of model.path's HF weights."""
+    export_hf: bool = True
+    """Export the final policy as a Hugging Face checkpoint into the run directory."""
+
+    def __post_init__(self) -> None:
+        self._non_negative("save_every_updates")
+        self._positive("keep_last")
+
+
+@dataclass(frozen=True)
+class LoggingConfig(_Section):
+    _name: ClassVar[str] = "logging"
+
+    run_dir: str = "runs/default"
+    """Directory for rollouts, checkpoints, metrics.jsonl, TensorBoard events, report and plots."""
+    log_every: int = 1
+    """Print update metrics every this many updates (all are written to metrics.jsonl)."""
+    tensorboard: bool = True
+    """Write TensorBoard events to run_dir/tensorboard."""
+    wandb: bool = False
+    """Log to Weights & Biases as well (needs the wandb package and a login)."""
+    wandb_project: str = "mugrpo"
+    """wandb project name."""
+    progress: bool = True
+    """Show progress bars on the console."""
+
+    def __post_init__(self) -> None:
+        if not self.run_dir:
+            self._fail("run_dir", "must be a directory path")
+        self._positive("log_every")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run: one object, built from YAML, validated before any process group exists."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy to train."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The learner's parallel layout."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The rollout engine and its sampling."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Mu-GRPO: schedule, clipping, veto."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer and learning-rate schedule."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training and held-out prompts."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How responses are scored."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving, resuming and exporting."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Where and how progress is reported."""
+
+    def __post_init__(self) -> None:
+        samples_per_phase = self.algo.prompts_per_phase * self.rollout.group_size
+        if self.algo.samples_per_update > samples_per_phase:
+            raise ValueError(
+                f"algo.samples_per_update: {self.algo.samples_per_update} is more than a phase "
+                f"generates (algo.prompts_per_phase x rollout.group_size = {samples_per_phase})"
+            )
+
+    def check_world_size(self, world_size: int) -> int:
+        """Validate the layout for ``world_size`` processes; returns the data-parallel size."""
+        dp = self.parallel.data_parallel(world_size)
+        per_step = dp * self.parallel.micro_batch_size
+        if self.algo.samples_per_update % per_step:
+            raise ValueError(
+                f"algo.samples_per_update: {self.algo.samples_per_update} is not divisible by "
+                f"data-parallel size x parallel.micro_batch_size = {dp} x "
+                f"{self.parallel.micro_batch_size} at world size {world_size}"
+            )
+        return dp
+
+
+# --------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a Config from a YAML file (or the defaults) and ``key.sub=value`` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        raw = yaml.safe_load(text) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set algo.clip_high=4.0")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else "")
+    return from_dict(Config, raw, prefix="")
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"--set {key}: {'.'.join(parents[:i + 1])} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def from_dict(cls: type, raw: Any, prefix: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, checking keys and types; errors name the dotted key."""
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else f"; known keys: {', '.join(names)}"
+            raise ValueError(f"{prefix}{key}: unknown key{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value, prefix=f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if len(errors) == 1 else f"{key}: {value!r} fits none of {tp}")
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{key}: must be one of {list(args)}, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}: must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key}: must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: must be a string, got {value!r}")
+        return value
+    raise TypeError(f"{key}: unsupported config type {tp}")  # a bug in this module, not user input
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain data (for YAML dumps and run records)."""
+    return dataclasses.asdict(cfg)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass ``cls``, read from its source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+def describe(cfg: Config | None = None) -> str:
+    """Every key with its value and docstring, for ``config --describe``."""
+    cfg = cfg or Config()
+    lines = []
+    top_docs = field_docs(Config)
+    for section in dataclasses.fields(Config):
+        sub = getattr(cfg, section.name)
+        lines.append(f"{section.name}:  # {top_docs[section.name]}")
+        docs = field_docs(type(sub))
+        for f in dataclasses.fields(sub):
+            doc = " ".join(docs[f.name].split())
+            lines.append(f"  {f.name}: {getattr(sub, f.name)!r}\n      {doc}")
+    return "\n".join(lines)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,119 @@
+"""The phase scheduler: which prompts each phase generates for, and which samples each update uses.
+
+Pure and deterministic (seeded): no process groups, no model. GRPO (mu = 4) and Mu-GRPO
+(mu = 1024) are two settings of the same scheduler: ``total_updates / mu`` phases of ``mu`` updates.
+
+Within a phase the learner makes ``mu`` passes of ``samples_per_update`` samples over the phase's
+data: the samples are shuffled anew each epoch and cut into minibatches; as many epochs as ``mu``
+requires are taken (a partial last epoch is normal). A minibatch never straddles two epochs, so each
+epoch sees each sample at most once; the tail of an epoch shorter than a minibatch is left for the
+next shuffle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One generate-then-optimize phase."""
+
+    index: int
+    """0-based phase number."""
+    first_update: int
+    """Global index of the phase's first optimizer update."""
+    num_updates: int
+    """mu: optimizer updates in this phase."""
+    prompt_indices: tuple[int, ...]
+    """Dataset rows this phase generates responses for."""
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """The samples of one optimizer update."""
+
+    update: int
+    """Global update index (0-based)."""
+    step_in_phase: int
+    """Update index within the phase; the staleness of the behaviour policy in updates."""
+    epoch: int
+    """Pass over the phase's data this minibatch belongs to."""
+    sample_indices: tuple[int, ...]
+    """Indices into the phase's (filtered) samples."""
+
+
+class PhaseScheduler:
+    """Phases and minibatches for ``total_updates`` updates at ``updates_per_phase`` (mu)."""
+
+    def __init__(self, *, total_updates: int, updates_per_phase: int, prompts_per_phase: int,
+                 group_size: int, samples_per_update: int, num_prompts: int, seed: int = 0):
+        if updates_per_phase < 1 or total_updates % updates_per_phase:
+            raise ValueError(f"total_updates ({total_updates}) must be a positive multiple of "
+                             f"updates_per_phase ({updates_per_phase})")
+        if num_prompts < 1:
+            raise ValueError("the prompt dataset is empty")
+        if samples_per_update < 1 or samples_per_update > prompts_per_phase * group_size:
+            raise ValueError(f"samples_per_update ({samples_per_update}) must be in [1, "
+                             f"prompts_per_phase x group_size = {prompts_per_phase * group_size}]")
+        self.total_updates = total_updates
+        self.updates_per_phase = updates_per_phase
+        self.prompts_per_phase = prompts_per_phase
+        self.group_size = group_size
+        self.samples_per_update = samples_per_update
+        self.num_prompts = num_prompts
+        self.seed = seed
+
+    @property
+    def num_phases(self) -> int:
+        return self.total_updates // self.updates_per_phase
+
+    def phase(self, index: int) -> Phase:
+        """Phase ``index``. Prompts are read in a seeded order, reshuffled at each pass over the
+        dataset, so consecutive phases see fresh prompts until the dataset is used up."""
+        if not 0 <= index < self.num_phases:
+            raise IndexError(f"phase {index} out of range [0, {self.num_phases})")
+        start = index * self.prompts_per_phase
+        prompts: list[int] = []
+        perms: dict[int, torch.Tensor] = {}
+        for pos in range(start, start + self.prompts_per_phase):
+            data_epoch, offset = divmod(pos, self.num_prompts)
+            if data_epoch not in perms:
+                perms[data_epoch] = self._permutation(self.num_prompts, 0, data_epoch)
+            prompts.append(int(perms[data_epoch][offset]))
+        return Phase(index=index, first_update=index * self.updates_per_phase,
+                     num_updates=self.updates_per_phase, prompt_indices=tuple(prompts))
+
+    def phases(self) -> Iterator[Phase]:
+        for i in range(self.num_phases):
+            yield self.phase(i)
+
+    def minibatches(self, phase: Phase, num_samples: int) -> Iterator[Minibatch]:
+        """The ``phase.num_updates`` minibatches over ``num_samples`` samples (after any filtering).
+
+        When filtering left fewer samples than ``samples_per_update``, each update takes them all.
+        """
+        if num_samples < 1:
+            raise ValueError(f"phase {phase.index} has no samples to train on")
+        size = min(self.samples_per_update, num_samples)
+        per_epoch = num_samples // size
+        for step in range(phase.num_updates):
+            epoch, slot = divmod(step, per_epoch)
+            if slot == 0:
+                perm = self._permutation(num_samples, 1 + phase.index, epoch)
+            chosen = perm[slot * size:(slot + 1) * size]
+            yield Minibatch(update=phase.first_update + step, step_in_phase=step, epoch=epoch,
+                            sample_indices=tuple(int(i) for i in chosen))
+
+    def epochs_per_phase(self, num_samples: int) -> float:
+        """Passes over the phase's data that mu updates make (for logging)."""
+        size = min(self.samples_per_update, num_samples)
+        return self.updates_per_phase * size / num_samples
+
+    def _permutation(self, n: int, stream: int, epoch: int) -> torch.Tensor:
+        mixed = (self.seed * 0x9E3779B1 + stream * 0x85EBCA6B + epoch * 0xC2B2AE35) % (1 << 63)
+        g = torch.Generator().manual_seed(mixed)
+        return torch.randperm(n, generator=g)

@@ -1,0 +1,87 @@
+"""Config: YAML loading, dotted overrides, unknown keys, type and value errors that name the key."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from mugrpo_megatron.config import Config, describe, dump_yaml, field_docs, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_field_has_a_docstring():
+    sections = [Config] + [f.type if isinstance(f.type, type) else type(getattr(Config(), f.name))
+                           for f in dataclasses.fields(Config)]
+    for cls in sections:
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+    assert "veto_threshold" in describe()
+
+
+def test_configs_in_repo_load():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = load_config(path)
+        assert isinstance(cfg, Config), path
+
+
+def test_yaml_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("algo:\n  clip_high: 0.28\n  veto_threshold: 1e-4\nrollout:\n  group_size: 4\n")
+    cfg = load_config(p, ["algo.clip_high=4.0", "algo.veto_scope=sequence", "optim.lr=3e-6",
+                          "algo.veto_threshold=null", "model.path=/x"])
+    assert cfg.algo.clip_high == 4.0 and isinstance(cfg.algo.clip_high, float)
+    assert cfg.algo.veto_scope == "sequence" and cfg.algo.veto_threshold is None
+    assert cfg.optim.lr == 3e-6 and cfg.rollout.group_size == 4 and cfg.model.path == "/x"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.algo.clip_high = 1.0  # type: ignore[misc]
+    # the dump reloads to the same config
+    p2 = tmp_path / "d.yaml"
+    p2.write_text(dump_yaml(cfg))
+    assert load_config(p2) == cfg
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.clip_hgh=4", r"algo\.clip_hgh: unknown key \(did you mean algo\.clip_high\?\)"),
+    ("algorithm.mu=4", r"algorithm: unknown key"),
+    ("algo.clip_low=1.5", r"algo\.clip_low: must be in \[0, 1\].*got 1\.5"),
+    ("algo.clip_high=high", r"algo\.clip_high: must be a number, got 'high'"),
+    ("algo.veto_scope=prefix", r"algo\.veto_scope: must be one of .*got 'prefix'"),
+    ("algo.veto_threshold=2", r"algo\.veto_threshold: must be in \(0, 1\) or null, got 2\.0"),
+    ("algo.updates_per_phase=3", r"algo\.total_updates: must be a multiple of algo\.updates_per_phase"),
+    ("rollout.group_size=0", r"rollout\.group_size: must be > 0, got 0"),
+    ("rollout.group_size=2.5", r"rollout\.group_size: must be an integer, got 2\.5"),
+    ("rollout.top_p=0", r"rollout\.top_p: must be in \(0, 1\], got 0\.0"),
+    ("parallel.sequence_parallel=true", r"parallel\.sequence_parallel: needs parallel\.tensor > 1"),
+    ("parallel.virtual_pipeline=2", r"parallel\.virtual_pipeline: needs parallel\.pipeline >= 2"),
+    ("model.trust_remote_code=yes please", r"model\.trust_remote_code: must be true or false"),
+    ("data.on_bad_row=ignore", r"data\.on_bad_row: must be one of \['error', 'skip'\]"),
+    ("optim.min_lr=1", r"optim\.min_lr: must be <= optim\.lr"),
+    ("algo=3", r"algo: expected a mapping, got 3"),
+    ("algo.samples_per_update=100000", r"algo\.samples_per_update: 100000 is more than a phase"),
+    ("novalue", r"expected KEY=VALUE"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("reward:\n  timeout: 3\n")
+    with pytest.raises(ValueError, match=r"reward\.timeout: unknown key \(did you mean reward\.timeout_s\?\)"):
+        load_config(p)
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="top level must be a mapping"):
+        load_config(p)
+
+
+def test_world_size_checks():
+    cfg = load_config(None, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.micro_batch_size=2",
+                             "algo.samples_per_update=64"])
+    assert cfg.check_world_size(8) == 2
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by parallel\.tensor x parallel\.pipeline"):
+        cfg.check_world_size(6)
+    with pytest.raises(ValueError, match=r"algo\.samples_per_update: 64 is not divisible by .* 24 x 2"):
+        cfg.check_world_size(96)
