@@ -1,0 +1,74 @@
+"""The math reward: an explicit answer anchor, checked against the gold answer by math-verify.
+
+Only an explicit anchor counts: the last ``\\boxed{...}`` (or ``\\fbox{...}``) in the completion, or
+else the text after the last ``####``. There is no last-number fallback, since a policy learns to
+end every response with many numbers. The anchor is found by a linear scan and capped in length
+before math-verify sees it, so parsing cost is bounded by the answer, not by the completion.
+math-verify's own timeouts are set below the scorer's hard limit; the hard limit is the backstop.
+"""
+
+from __future__ import annotations
+
+from math_verify import LatexExtractionConfig, parse, verify
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_PARSE_TIMEOUT_S = 3  # math-verify requires ints here (a float silently fails every check)
+
+
+def extract_answer(completion: str) -> str | None:
+    """The content of the last ``\\boxed{...}``, else the rest of the line after the last ``####``."""
+    start = max(completion.rfind(cmd) for cmd in _BOX_COMMANDS)
+    while start >= 0:
+        boxed = _braced_argument(completion, start)
+        if boxed is not None:
+            return boxed.strip()
+        # an unclosed box: look for an earlier, complete one
+        start = max(completion.rfind(cmd, 0, start) for cmd in _BOX_COMMANDS)
+    hashes = completion.rfind("####")
+    if hashes >= 0:
+        line = completion[hashes + 4:].split("\n", 1)[0].strip()
+        return line or None
+    return None
+
+
+def _braced_argument(text: str, cmd_start: int) -> str | None:
+    i = text.find("{", cmd_start)
+    if i < 0 or text[cmd_start:i].strip() not in _BOX_COMMANDS:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        ch = text[j]
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1:j]
+    return None
+
+
+def _as_latex(answer: str) -> str:
+    if "$" in answer or any(cmd in answer for cmd in _BOX_COMMANDS):
+        return answer
+    return f"${answer}$"
+
+
+def math_reward(completion: str, answer: str, max_answer_chars: int = 1000) -> float:
+    """1.0 if the completion's anchored answer equals the gold answer mathematically, else 0.0."""
+    predicted = extract_answer(completion)
+    if not predicted or len(predicted) > max_answer_chars:
+        return 0.0
+    gold = parse(_as_latex(answer), parsing_timeout=_PARSE_TIMEOUT_S)
+    if not gold:
+        raise ValueError(f"gold answer {answer[:100]!r} could not be parsed")
+    pred = parse(f"\\boxed{{{predicted}}}",
+                 extraction_config=[LatexExtractionConfig(boxed_match_priority=0,
+                                                          try_extract_without_anchor=False)],
+                 parsing_timeout=_PARSE_TIMEOUT_S)
+    if not pred:
+        return 0.0
+    # gold first: math-verify's verify() is not symmetric
+    return 1.0 if verify(gold, pred, timeout_seconds=_PARSE_TIMEOUT_S) else 0.0
+
+
+math_reward.takes_max_answer_chars = True  # type: ignore[attr-defined]

@@ -1,0 +1,107 @@
+"""The math reward (anchors, math-verify equivalence) and the scorer's hard time limit."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from mugrpo_megatron.config import RewardConfig
+from mugrpo_megatron.rewards import RewardScorer, register_reward, registered_rewards, resolve_reward
+from mugrpo_megatron.rewards.math_answer import extract_answer, math_reward
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_extract_answer_anchors():
+    assert extract_answer("so \\boxed{12} hmm \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert extract_answer("x \\boxed{{a}+{b}} y") == "{a}+{b}"
+    assert extract_answer("first \\boxed{3} then \\boxed{4") == "3"  # unclosed last box
+    assert extract_answer("The answer:\n#### 1,000\nthanks") == "1,000"
+    assert extract_answer("the answer is 42") is None  # no last-number fallback
+    assert extract_answer("#### ") is None
+    assert extract_answer("\\fbox{7}") == "7"
+
+
+@pytest.mark.parametrize("completion, answer, want", [
+    ("We get \\boxed{42}.", "42", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{11 + x}", "x+11", 1.0),
+    ("#### 1,000", "1000", 1.0),
+    ("\\boxed{(-5/2, -5/2)}", "\\left(-\\tfrac52, -\\tfrac52\\right)", 1.0),
+    ("\\boxed{41}", "42", 0.0),
+    ("The answer is 42", "42", 0.0),   # unanchored: reward-hackable, so it scores 0
+    ("42 42 42 42", "42", 0.0),
+    ("\\boxed{}", "42", 0.0),
+])
+def test_math_reward(completion, answer, want):
+    assert math_reward(completion, answer) == want
+
+
+def test_fixtures_gold_answers_verify_against_themselves():
+    rows = [json.loads(line) for line in (FIXTURES / "gsm8k_exemplars.jsonl").read_text().splitlines()]
+    rows += [json.loads(line) for line in (FIXTURES / "math_problems.jsonl").read_text().splitlines()]
+    assert len(rows) == 19
+    for row in rows:
+        assert math_reward(f"\\boxed{{{row['answer']}}}", row["answer"]) == 1.0, row
+    assert math_reward("\\boxed{7}", rows[0]["answer"]) == 0.0
+
+
+def test_registry_and_dotted_paths():
+    assert "math" in registered_rewards()
+    assert resolve_reward("math") is math_reward
+    assert resolve_reward("reward_helpers:sleepy_reward").__name__ == "sleepy_reward"
+    assert resolve_reward("reward_helpers.broken_reward").__name__ == "broken_reward"
+
+    @register_reward("exact_test")
+    def exact(c, a):
+        return float(c == a)
+
+    assert registered_rewards()["exact_test"].endswith(":test_registry_and_dotted_paths.<locals>.exact")
+    with pytest.raises(ValueError, match=r"reward\.name: 'nope' is neither a registered reward"):
+        resolve_reward("nope")
+    with pytest.raises(ValueError, match=r"reward\.name: cannot import 'no_such_mod:f'"):
+        resolve_reward("no_such_mod:f")
+
+
+def test_scorer_math_and_adversarial_inputs_are_bounded():
+    cfg = RewardConfig(name="math", timeout_s=4.0, num_workers=2)
+    nested = "\\boxed{" + "{" * 20000 + "1" + "}" * 20000 + "}"
+    cases = [
+        ("\\boxed{5}", "5", 1.0),
+        ("\\boxed{6}", "5", 0.0),
+        ("x" * 1_000_000 + " \\boxed{5}", "5", 1.0),   # 1 MB completion, anchor at the end
+        ("1 " * 500_000, "5", 0.0),                    # 1 MB of numbers, no anchor
+        ("\\boxed{10^{10^{9}}}", "5", 0.0),
+        ("\\boxed{1000000!}", "5", 0.0),
+        (nested, "1", 0.0),                            # too long an answer: not parsed
+        ("\\boxed{" * 5000, "1", 0.0),                 # unclosed boxes
+    ]
+    with RewardScorer(cfg) as scorer:
+        t0 = time.monotonic()
+        out = scorer.score([c for c, _, _ in cases], [a for _, a, _ in cases])
+        elapsed = time.monotonic() - t0
+    assert out.rewards == [w for _, _, w in cases]
+    assert out.num_errors == 0
+    # Never hangs: at worst every case runs into the hard limit, two at a time, plus worker start-up.
+    assert elapsed < len(cases) / 2 * cfg.timeout_s + 30
+
+
+def test_scorer_kills_hung_reward_and_reports_errors():
+    cfg = RewardConfig(name="reward_helpers:sleepy_reward", timeout_s=1.0, num_workers=2)
+    with RewardScorer(cfg) as scorer:
+        done = []
+        out = scorer.score(["a", "hang", "b", "hang", "c"], ["a", "a", "b", "x", "x"], on_done=done.append)
+        assert out.rewards == [1.0, 0.0, 1.0, 0.0, 0.0], out
+        assert out.num_timeouts == 2 and len(done) == 5
+        assert "response 1: scoring took over 1.0 s" in out.errors[0]
+        # the pool replaced the killed workers and keeps working
+        assert scorer.score(["z"], ["z"]).rewards == [1.0]
+    cfg = RewardConfig(name="reward_helpers:broken_reward", timeout_s=5.0, num_workers=1)
+    with RewardScorer(cfg) as scorer:
+        out = scorer.score(["ok", "boom", "nan"], ["", "", ""])
+    assert out.rewards == [0.5, 0.0, 0.0] and out.num_errors == 2
+    assert "RuntimeError: reward function failed" in out.errors[0]
+    assert "reward is nan" in out.errors[1]
+    with pytest.raises(ValueError, match="3 completions but 2 answers"):
+        RewardScorer(RewardConfig(num_workers=1)).score(["a", "b", "c"], ["a", "b"])
