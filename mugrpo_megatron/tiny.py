@@ -42,3 +42,54 @@ def make_tokenizer(out_dir: str | Path, vocab_size: int = 384):
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out))
     return fast
+
+
+# family -> HF config overrides for a tiny random model. head_dim 32 is one vLLM's CPU attention has.
+TINY_FAMILIES: dict[str, dict] = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32},
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                "sliding_window": None},
+}
+
+
+def make_tiny_checkpoint(out_dir: str | Path, family: str = "llama", *, seed: int = 0,
+                         vocab_size: int = 400, num_layers: int = 4, hidden_size: int = 128,
+                         num_heads: int = 4, num_kv_heads: int = 2, ffn_hidden_size: int = 256,
+                         tie_embeddings: bool = False, init_std: float = 0.08,
+                         max_position_embeddings: int = 512, dtype: str = "float32") -> Path:
+    """Save a random tiny HF model of ``family`` (safetensors, config.json, tokenizer) to ``out_dir``.
+
+    ``vocab_size`` is deliberately not a multiple of 128 so that megatron pads it. A larger
+    ``init_std`` than HF's default gives peaked, non-uniform next-token distributions, which makes
+    log-prob comparisons meaningful.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny family {family!r}; known: {', '.join(TINY_FAMILIES)}")
+    out = Path(out_dir)
+    tokenizer = make_tokenizer(out)
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)})")
+    overrides = dict(TINY_FAMILIES[family])
+    model_type = overrides.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=ffn_hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_embeddings, initializer_range=init_std, rms_norm_eps=1e-6,
+        rope_theta=10000.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, torch_dtype=dtype, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, dtype))
+    with torch.no_grad():  # random, not-quite-unit norms so that norm weights matter in the tests
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out

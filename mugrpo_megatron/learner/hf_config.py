@@ -1,0 +1,165 @@
+"""A Hugging Face ``config.json`` as the numbers the learner and the weight mapping need.
+
+``ModelSpec`` is plain data (no megatron import) so that the mapping tables, the dry-run memory
+estimate and the resharding code can all use it; ``transformer_config_kwargs`` turns it into
+megatron-core ``TransformerConfig`` arguments in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# HF architecture -> (QKV bias, QK norm). All are RMSNorm + SwiGLU + RoPE decoders.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture of a supported decoder, read from an HF config."""
+
+    architecture: str
+    """HF architecture name, e.g. 'Qwen2ForCausalLM'."""
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    """The tokenizer's vocabulary as the HF checkpoint stores it (unpadded)."""
+    tie_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    sliding_window: int | None
+    init_std: float
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def padded_vocab_size(self, tensor_parallel: int, divisible_by: int = 128) -> int:
+        """Megatron's padded vocabulary: a multiple of ``divisible_by x tensor_parallel``."""
+        multiple = divisible_by * tensor_parallel
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def num_parameters(self) -> int:
+        """Parameters of the unpadded HF model."""
+        h, f, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        attn = h * hd * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * hd * h
+        if self.qkv_bias:
+            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attn += 2 * hd
+        layer = attn + 3 * h * f + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Megatron splits whole query groups over TP ranks; refuse layouts it cannot represent."""
+        if self.num_heads % tp:
+            raise ValueError(f"parallel.tensor: {tp} does not divide the {self.num_heads} attention "
+                             f"heads of {self.architecture}")
+        if self.num_kv_heads % tp:
+            raise ValueError(
+                f"parallel.tensor: {tp} is more than or does not divide the {self.num_kv_heads} KV "
+                f"heads (query groups) of {self.architecture}; megatron-core would need KV heads "
+                f"replicated across TP ranks, which this learner does not do. Use a TP size that "
+                f"divides {self.num_kv_heads}.")
+        if self.ffn_hidden_size % tp:
+            raise ValueError(f"parallel.tensor: {tp} does not divide the MLP size {self.ffn_hidden_size}")
+
+
+def read_model_spec(hf_dir: str | Path) -> ModelSpec:
+    """Read ``config.json`` from an HF checkpoint directory; clear errors for what is unsupported."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model.path: no config.json in {hf_dir}")
+    return model_spec_from_dict(json.loads(path.read_text()), source=str(path))
+
+
+def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSpec:
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else "(none)"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{source}: architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+    if arch == "LlamaForCausalLM" and cfg.get("attention_bias"):
+        qkv_bias = True
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias=true is not supported")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    sliding = cfg.get("sliding_window")
+    if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+        sliding = None
+    rope_scaling = cfg.get("rope_scaling")
+    rope_theta = cfg.get("rope_theta")
+    rope_params = cfg.get("rope_parameters")  # transformers 5 keeps theta and scaling here
+    if isinstance(rope_params, dict):
+        rope_theta = rope_params.get("rope_theta", rope_theta)
+        if rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+    if rope_scaling is not None:
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if kind not in ("llama3", "linear", "default"):
+            raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported "
+                             f"(supported: llama3, linear)")
+        if kind == "default":
+            rope_scaling = None
+    return ModelSpec(
+        architecture=arch,
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        vocab_size=int(cfg["vocab_size"]),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta or 10000.0),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        sliding_window=int(sliding) if sliding else None,
+        init_std=float(cfg.get("initializer_range", 0.02)),
+    )
+
+
+def gpt_model_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """``GPTModel`` arguments for the positional embedding."""
+    kw: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": spec.rope_theta,
+                          "max_sequence_length": spec.max_position_embeddings}
+    if spec.rope_scaling is not None:
+        kind = spec.rope_scaling.get("rope_type", spec.rope_scaling.get("type"))
+        factor = float(spec.rope_scaling["factor"])
+        if kind == "linear":
+            kw["seq_len_interpolation_factor"] = factor
+        else:  # llama3: megatron-core applies Llama 3.1's fixed low/high frequency factors
+            expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}
+            for key, value in expected.items():
+                if float(spec.rope_scaling.get(key, value)) != value:
+                    raise ValueError(f"rope_scaling.{key}={spec.rope_scaling[key]} is not supported "
+                                     f"(megatron-core's llama3 scaling uses {value})")
+            kw["rope_scaling"] = True
+            kw["rope_scaling_factor"] = factor
+    return kw

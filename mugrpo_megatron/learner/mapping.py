@@ -1,0 +1,162 @@
+"""The one table of names and layouts between megatron-core's GPTModel and Hugging Face checkpoints.
+
+Pure torch. Used to load HF weights into TP shards, to export HF checkpoints, and by the resharding
+that streams weights into the rollout engine, so names and layouts have a single source of truth.
+
+Layouts (per tensor-parallel rank ``r`` of ``tp``):
+
+- ``vocab``: word embeddings and output layer, padded with zero rows to the padded vocabulary,
+  split along dim 0. The padding is dropped on export.
+- ``qkv``: ``linear_qkv`` rows are grouped per query group as [q heads of the group, k, v], each
+  ``head_dim`` rows; rank r holds groups [r G/tp, (r+1) G/tp). Weight and bias alike.
+- ``gate_up``: ``linear_fc1`` is [gate_r; up_r] on rank r (each split along dim 0 first).
+- ``row``: ``linear_proj`` and ``linear_fc2`` split along dim 1.
+- ``replicated``: norms (input, pre-MLP, final, q/k norms) are whole on every rank.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from mugrpo_megatron.learner.hf_config import ModelSpec
+
+Kind = Literal["vocab", "qkv", "gate_up", "row", "replicated"]
+# read(hf_name, index) -> tensor[index]: only the requested rows/columns are read from disk;
+# index None reads the whole tensor.
+Reader = Callable[[str, "tuple[slice, ...] | None"], torch.Tensor]
+
+_LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.+)$")
+
+# megatron suffix within a layer -> (kind, HF suffixes within "model.layers.{i}.")
+_LAYER_TABLE: dict[str, tuple[Kind, tuple[str, ...]]] = {
+    "input_layernorm.weight": ("replicated", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.layer_norm_weight": ("replicated", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": (
+        "qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    "self_attention.linear_qkv.bias": (
+        "qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
+    "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
+    "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
+    "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.layer_norm_weight": ("replicated", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
+}
+_TOP_TABLE: dict[str, tuple[Kind, tuple[str, ...]]] = {
+    "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
+    "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
+    "output_layer.weight": ("vocab", ("lm_head.weight",)),
+}
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """Where one megatron parameter comes from in an HF checkpoint."""
+
+    kind: Kind
+    hf_names: tuple[str, ...]
+
+
+def strip_wrappers(name: str) -> str:
+    """Drop DDP / Float16Module prefixes ('module.module.decoder...' -> 'decoder...')."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def map_param(name: str, spec: ModelSpec, global_layer: int | None = None) -> ParamMap:
+    """The HF source of megatron parameter ``name``; ``global_layer`` (0-based) for layer params.
+
+    The output layer of a model with tied embeddings maps to the HF input embedding.
+    """
+    name = strip_wrappers(name)
+    m = _LAYER.match(name)
+    if m:
+        if global_layer is None:
+            raise ValueError(f"{name}: a layer parameter needs its global layer number")
+        suffix = m.group(2)
+        if suffix not in _LAYER_TABLE:
+            raise ValueError(f"no HF mapping for megatron parameter {name!r}")
+        kind, hf = _LAYER_TABLE[suffix]
+        return ParamMap(kind, tuple(f"model.layers.{global_layer}.{s}" for s in hf))
+    if name not in _TOP_TABLE:
+        raise ValueError(f"no HF mapping for megatron parameter {name!r}")
+    kind, hf = _TOP_TABLE[name]
+    if name == "output_layer.weight" and spec.tie_embeddings:
+        hf = ("model.embed_tokens.weight",)
+    return ParamMap(kind, hf)
+
+
+def shard_from_hf(pm: ParamMap, read: Reader, spec: ModelSpec, tp_rank: int, tp_size: int,
+                  padded_vocab: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s shard of a parameter, reading only the rows it needs."""
+    if pm.kind == "replicated":
+        return read(pm.hf_names[0], None)
+    if pm.kind == "row":
+        cols = _row_input_size(pm, spec) // tp_size
+        return read(pm.hf_names[0], (slice(None), slice(tp_rank * cols, (tp_rank + 1) * cols)))
+    if pm.kind == "vocab":
+        rows = padded_vocab // tp_size
+        lo, hi = tp_rank * rows, (tp_rank + 1) * rows
+        real = read(pm.hf_names[0], (slice(lo, min(hi, spec.vocab_size)),)) \
+            if lo < spec.vocab_size else None
+        shard = torch.zeros((rows, spec.hidden_size),
+                            dtype=real.dtype if real is not None else torch.float32)
+        if real is not None:
+            shard[:real.shape[0]] = real
+        return shard
+    if pm.kind == "gate_up":
+        rows = spec.ffn_hidden_size // tp_size
+        rs = (slice(tp_rank * rows, (tp_rank + 1) * rows),)
+        return torch.cat([read(pm.hf_names[0], rs), read(pm.hf_names[1], rs)], dim=0)
+    # qkv: whole query groups [g0, g1) of this rank, interleaved as [q of group, k, v]
+    hd, hpg = spec.head_dim, spec.heads_per_group
+    groups = spec.num_kv_heads // tp_size
+    g0, g1 = tp_rank * groups, (tp_rank + 1) * groups
+    q = read(pm.hf_names[0], (slice(g0 * hpg * hd, g1 * hpg * hd),))
+    k = read(pm.hf_names[1], (slice(g0 * hd, g1 * hd),))
+    v = read(pm.hf_names[2], (slice(g0 * hd, g1 * hd),))
+    tail = q.shape[1:]
+    fused = torch.cat([q.reshape(groups, hpg * hd, *tail), k.reshape(groups, hd, *tail),
+                       v.reshape(groups, hd, *tail)], dim=1)
+    return fused.reshape(groups * (hpg + 2) * hd, *tail)
+
+
+def hf_from_shards(pm: ParamMap, shards: list[torch.Tensor], spec: ModelSpec
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors from the TP shards of one parameter (in TP rank order)."""
+    if pm.kind == "replicated":
+        return [(pm.hf_names[0], shards[0])]
+    if pm.kind == "row":
+        return [(pm.hf_names[0], torch.cat(shards, dim=1))]
+    if pm.kind == "vocab":
+        return [(pm.hf_names[0], torch.cat(shards, dim=0)[:spec.vocab_size])]
+    if pm.kind == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [(pm.hf_names[0], torch.cat([h[0] for h in halves], dim=0)),
+                (pm.hf_names[1], torch.cat([h[1] for h in halves], dim=0))]
+    hd, hpg, groups = spec.head_dim, spec.heads_per_group, spec.num_kv_heads
+    fused = torch.cat(shards, dim=0)
+    tail = fused.shape[1:]
+    per_group = fused.reshape(groups, (hpg + 2) * hd, *tail)
+    q = per_group[:, :hpg * hd].reshape(groups * hpg * hd, *tail)
+    k = per_group[:, hpg * hd:(hpg + 1) * hd].reshape(groups * hd, *tail)
+    v = per_group[:, (hpg + 1) * hd:].reshape(groups * hd, *tail)
+    return [(pm.hf_names[0], q.contiguous()), (pm.hf_names[1], k.contiguous()),
+            (pm.hf_names[2], v.contiguous())]
+
+
+def _row_input_size(pm: ParamMap, spec: ModelSpec) -> int:
+    """Input width of a row-parallel linear: heads x head_dim (o_proj) or the MLP size (down_proj)."""
+    return spec.num_heads * spec.head_dim if "o_proj" in pm.hf_names[0] else spec.ffn_hidden_size
+
+
+def tp_split_dim(kind: Kind) -> int | None:
+    """The dimension a kind is split along over TP ranks (None: replicated)."""
+    return {"vocab": 0, "qkv": 0, "gate_up": 0, "row": 1, "replicated": None}[kind]

@@ -1,0 +1,219 @@
+"""Process groups, megatron-core GPTModel chunks from an HF config, and HF weights loaded into them.
+
+Each rank builds only its own pipeline stage(s) (one chunk per virtual stage) and reads only the
+rows and columns of the safetensors files that its tensor-parallel shards hold.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from safetensors import safe_open
+
+from mugrpo_megatron.config import ModelConfig, ParallelConfig
+from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
+from mugrpo_megatron.learner.hf_config import ModelSpec, gpt_model_kwargs
+from mugrpo_megatron.learner.mapping import map_param, shard_from_hf
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This process's place in the learner's parallel layout."""
+
+    world_size: int
+    rank: int
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int
+    dp_rank: int
+    vp_size: int | None
+
+
+def init_parallel(parallel: ParallelConfig, seed: int, timeout_min: int = 30) -> Layout:
+    """Start torch.distributed (NCCL on GPUs, gloo on CPU) and megatron-core's parallel groups.
+
+    Works under torchrun and in a plain single process (world size 1).
+    """
+    use_cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(minutes=timeout_min))
+    world = dist.get_world_size()
+    dp = parallel.data_parallel(world)
+    if not mpu.model_parallel_is_initialized():
+        with megatron_on_cpu():
+            mpu.initialize_model_parallel(
+                tensor_model_parallel_size=parallel.tensor,
+                pipeline_model_parallel_size=parallel.pipeline,
+                virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+                expert_model_parallel_size=parallel.expert,
+            )
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return Layout(world_size=world, rank=dist.get_rank(),
+                  tp_size=mpu.get_tensor_model_parallel_world_size(),
+                  tp_rank=mpu.get_tensor_model_parallel_rank(),
+                  pp_size=mpu.get_pipeline_model_parallel_world_size(),
+                  pp_rank=mpu.get_pipeline_model_parallel_rank(),
+                  dp_size=dp, dp_rank=mpu.get_data_parallel_rank(),
+                  vp_size=parallel.virtual_pipeline)
+
+
+def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig
+                       ) -> TransformerConfig:
+    """The one place where our config and the HF architecture become megatron-core's."""
+    dtype = DTYPES[model.dtype]
+    kw = dict(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size, num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=spec.init_std, attention_softmax_in_fp32=True,
+        # fusions need apex/TE kernels; on GPUs with TE the TE spec brings its own
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        sequence_parallel=parallel.sequence_parallel, expert_model_parallel_size=parallel.expert,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False,  # weights come from the checkpoint
+        recompute_granularity="full" if model.recompute_activations else None,
+        recompute_method="uniform" if model.recompute_activations else None,
+        recompute_num_layers=1 if model.recompute_activations else None,
+        window_size=(spec.sliding_window - 1, 0) if spec.sliding_window else None,
+    )
+    if model.fp8_format is not None:
+        from mugrpo_megatron.learner.fp8 import fp8_kwargs
+
+        kw.update(fp8_kwargs(model))
+    return TransformerConfig(**kw)
+
+
+def layer_spec(spec: ModelSpec, model: ModelConfig):
+    """Transformer Engine's layer spec where TE and a GPU are present, megatron's local one else."""
+    if torch.cuda.is_available():
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec,
+            )
+            import transformer_engine  # noqa: F401
+
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        except ImportError:
+            if model.fp8_format is not None:
+                raise ValueError("model.fp8_format: FP8 needs Transformer Engine, which is not "
+                                 "importable here") from None
+    return get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+
+
+def build_chunks(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), weights uninitialised."""
+    spec.check_tensor_parallel(parallel.tensor)
+    stages = parallel.pipeline * (parallel.virtual_pipeline or 1)
+    if spec.num_layers % stages:
+        raise ValueError(f"parallel.pipeline x virtual_pipeline = {stages} does not divide the "
+                         f"{spec.num_layers} layers of the model")
+    if parallel.sequence_parallel and not torch.cuda.is_available():
+        raise ValueError("parallel.sequence_parallel: needs Transformer Engine's norms on a GPU; "
+                         "megatron's torch norms refuse it")
+    config = transformer_config(spec, model, parallel)
+    chunks = []
+    vp = parallel.virtual_pipeline
+    with megatron_on_cpu():
+        for vp_stage in range(vp or 1):
+            stage = vp_stage if vp else None
+            chunk = GPTModel(
+                config=config, transformer_layer_spec=layer_spec(spec, model),
+                vocab_size=spec.padded_vocab_size(parallel.tensor),
+                pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                share_embeddings_and_output_weights=spec.tie_embeddings, parallel_output=True,
+                vp_stage=stage, **gpt_model_kwargs(spec))
+            if torch.cuda.is_available():
+                chunk.cuda(torch.cuda.current_device())
+            chunks.append(chunk)
+    return chunks
+
+
+def global_layer_numbers(chunk: torch.nn.Module) -> dict[int, int]:
+    """Local layer index within this chunk -> global 0-based layer number (PP and virtual PP)."""
+    return {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+
+
+def named_hf_params(chunk: torch.nn.Module, spec: ModelSpec):
+    """(megatron name, parameter, ParamMap) for every parameter of a chunk."""
+    layers = global_layer_numbers(chunk)
+    for name, param in chunk.named_parameters():
+        parts = name.split(".")
+        layer = None
+        if "layers" in parts:
+            layer = layers[int(parts[parts.index("layers") + 1])]
+        yield name, param, map_param(name, spec, layer)
+
+
+class SafetensorsReader:
+    """Reads tensors, or only some rows/columns of them, from an HF safetensors checkpoint."""
+
+    def __init__(self, hf_dir: str | Path):
+        hf_dir = Path(hf_dir)
+        index = hf_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: hf_dir / f for name, f in weight_map.items()}
+        elif (hf_dir / "model.safetensors").is_file():
+            with safe_open(hf_dir / "model.safetensors", "pt") as f:
+                self.files = {name: hf_dir / "model.safetensors" for name in f.keys()}
+        else:
+            raise ValueError(f"model.path: no model.safetensors or model.safetensors.index.json in "
+                             f"{hf_dir} (only safetensors checkpoints are read)")
+        self._handles: dict[Path, object] = {}
+
+    def __call__(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
+        if name not in self.files:
+            raise ValueError(f"tensor {name!r} is missing from the checkpoint")
+        path = self.files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, "pt")
+        handle = self._handles[path]
+        if index is None:
+            return handle.get_tensor(name)  # type: ignore[attr-defined]
+        return handle.get_slice(name)[index]  # type: ignore[attr-defined]
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str | Path,
+                    tp_rank: int, tp_size: int) -> None:
+    """Copy this rank's shards of an HF checkpoint into its chunks; every parameter is checked."""
+    read = SafetensorsReader(hf_dir)
+    padded = spec.padded_vocab_size(tp_size)
+    for chunk in chunks:
+        for name, param, pm in named_hf_params(chunk, spec):
+            shard = shard_from_hf(pm, read, spec, tp_rank, tp_size, padded)
+            if shard.shape != param.shape:
+                raise ValueError(f"{name}: shard from {pm.hf_names} has shape {tuple(shard.shape)}, "
+                                 f"parameter has {tuple(param.shape)}")
+            param.copy_(shard.to(param.dtype))

