@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -43,3 +47,37 @@ class LoadReport:
         if self.skipped:
             text += " (skipped: " + ", ".join(f"{n} {why}" for why, n in self.skipped.items()) + ")"
         return text
+
+
+@dataclass
+class TokenBatch:
+    """Right-padded token sequences (prompt + response) and where the responses are.
+
+    Every ``[B, S]`` tensor is aligned with ``tokens``: position t is about token t.
+    """
+
+    tokens: "torch.Tensor"
+    """[B, S] int64 token ids, prompt then response, right-padded."""
+    response_mask: "torch.Tensor"
+    """[B, S] bool, True at the positions of response tokens."""
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def rows(self, index: "torch.Tensor | slice") -> "TokenBatch":
+        return TokenBatch(self.tokens[index], self.response_mask[index])
+
+
+@dataclass
+class TrainBatch(TokenBatch):
+    """A minibatch for one optimizer update."""
+
+    behav_logp: "torch.Tensor" = None  # type: ignore[assignment]
+    """[B, S] float: the behaviour policy's log-prob of each response token (0 elsewhere)."""
+    advantages: "torch.Tensor" = None  # type: ignore[assignment]
+    """[B] float: the response's group-normalised advantage."""
+
+    def rows(self, index: "torch.Tensor | slice") -> "TrainBatch":
+        return TrainBatch(self.tokens[index], self.response_mask[index], self.behav_logp[index],
+                          self.advantages[index])

@@ -100,11 +100,18 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         sequence_parallel=parallel.sequence_parallel, expert_model_parallel_size=parallel.expert,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=not torch.cuda.is_available(),
-        perform_initialization=False,  # weights come from the checkpoint
+        # True even though the checkpoint overwrites the values: megatron only tags TP-sharded
+        # weights (tensor_model_parallel, partition_dim) inside its init functions.
+        perform_initialization=True,
         recompute_granularity="full" if model.recompute_activations else None,
         recompute_method="uniform" if model.recompute_activations else None,
         recompute_num_layers=1 if model.recompute_activations else None,
         window_size=(spec.sliding_window - 1, 0) if spec.sliding_window else None,
+        # gloo matches messages between two ranks by order only; with PP=2 a stage's previous and
+        # next rank are the same, and a batched send/recv of an activation and a gradient can be
+        # paired the wrong way round (seen with the interleaved schedule). Unbatched p2p pairs
+        # them by megatron's even/odd ordering. NCCL keeps the faster batched path.
+        batch_p2p_comm=torch.cuda.is_available(),
     )
     if model.fp8_format is not None:
         from mugrpo_megatron.learner.fp8 import fp8_kwargs

@@ -1,0 +1,163 @@
+"""Megatron shards -> full Hugging Face tensors, streamed one parameter at a time.
+
+``iter_hf_tensors`` is collective: every rank of the learner calls it and every rank receives every
+HF tensor, in the same order. Each parameter is all-gathered over its TP group on the pipeline stage
+that holds it, converted by the mapping table, and broadcast over the PP group, so each rank holds
+at most one full tensor beyond its own shards. The same stream feeds HF export and the rollout
+engine's weight update (resharding), so both use one mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from safetensors.torch import save_file
+
+from mugrpo_megatron.learner.hf_config import ModelSpec
+from mugrpo_megatron.learner.mapping import ParamMap, hf_from_shards, tp_split_dim
+from mugrpo_megatron.learner.model import named_hf_params
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+                   "generation_config.json")
+
+
+def _stage_entries(chunks: list[torch.nn.Module], spec: ModelSpec
+                   ) -> list[tuple[torch.nn.Parameter, ParamMap]]:
+    entries = []
+    for chunk in chunks:
+        for name, param, pm in named_hf_params(chunk, spec):
+            if name.endswith("output_layer.weight") and spec.tie_embeddings:
+                continue  # tied: the last stage's copy of the embedding; emitted once, by stage 0
+            entries.append((param, pm))
+    return entries
+
+
+def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
+                    dtype: torch.dtype | None = None,
+                    tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.detach(),
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the whole model on every rank (collective).
+
+    ``tensor_of`` picks what is streamed for each parameter: its value (default) or, for tests
+    and diagnostics, e.g. its gradient ``lambda p: p.main_grad``.
+    """
+    tp_group = mpu.get_tensor_model_parallel_group()
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    pp_size = mpu.get_pipeline_model_parallel_world_size()
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    mine = _stage_entries(chunks, spec)
+    for stage in range(pp_size):
+        # the owning stage tells the others what it will send: (kind, names, shapes, dtype)
+        meta = None
+        if stage == pp_rank:
+            meta = [(pm.kind, pm.hf_names, [tuple(s) for s in _hf_shapes(p, pm, tp_size, spec)],
+                     str(tensor_of(p).dtype).removeprefix("torch.")) for p, pm in mine]
+        if pp_size > 1:
+            box = [meta]
+            dist.broadcast_object_list(box, src=pp_ranks[stage],
+                                       group=pp_group)
+            meta = box[0]
+        for i, (kind, names, shapes, dt) in enumerate(meta):
+            if stage == pp_rank:
+                param, pm = mine[i]
+                tensors = _gather_tp(tensor_of(param), pm, spec, tp_size, tp_group)
+            else:
+                tensors = [(n, torch.empty(s, dtype=getattr(torch, dt), device=device))
+                           for n, s in zip(names, shapes)]
+            for name, t in tensors:
+                t = t.to(device).contiguous()
+                if pp_size > 1:
+                    dist.broadcast(t, src=pp_ranks[stage],
+                                   group=pp_group)
+                yield name, (t if dtype is None else t.to(dtype))
+
+
+def _hf_shapes(param: torch.Tensor, pm: ParamMap, tp_size: int, spec: ModelSpec):
+    full = list(param.shape)
+    dim = tp_split_dim(pm.kind)
+    if dim is not None:
+        full[dim] *= tp_size
+    if pm.kind == "vocab":
+        return [(spec.vocab_size, *full[1:])]
+    if pm.kind == "gate_up":
+        return [(full[0] // 2, *full[1:])] * 2
+    if pm.kind == "qkv":
+        hd = spec.head_dim
+        rest = full[1:]
+        return [(spec.num_heads * hd, *rest), (spec.num_kv_heads * hd, *rest),
+                (spec.num_kv_heads * hd, *rest)]
+    return [tuple(full)]
+
+
+def _gather_tp(param: torch.Tensor, pm: ParamMap, spec: ModelSpec, tp_size: int, group
+               ) -> list[tuple[str, torch.Tensor]]:
+    if pm.kind == "replicated":
+        return [(pm.hf_names[0], param)]
+    if tp_size == 1:
+        return hf_from_shards(pm, [param], spec)
+    shards = [torch.empty_like(param) for _ in range(tp_size)]
+    dist.all_gather(shards, param.contiguous(), group=group)
+    return hf_from_shards(pm, shards, spec)
+
+
+def save_hf_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str | Path,
+                       source_dir: str | Path, *, write: bool, dtype: str,
+                       max_shard_bytes: int = 2 << 30) -> None:
+    """Write streamed tensors as safetensors shards with an index, plus config and tokenizer files
+    copied from ``source_dir``. Collective: every rank consumes the stream; only ``write`` ranks
+    touch the disk."""
+    out = Path(out_dir)
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+    files: list[list[str]] = []
+
+    def flush() -> None:
+        nonlocal shard, size
+        if shard:
+            files.append(list(shard))
+            if write:
+                save_file(shard, str(out / f"part-{len(files):05d}.safetensors"),
+                          metadata={"format": "pt"})
+        shard, size = {}, 0
+
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+        if write:
+            shard[name] = t.detach().cpu().clone()
+            size += nbytes
+        else:
+            shard[name] = torch.empty(0)
+            size += nbytes
+    flush()
+    if not write:
+        return
+    total = len(files)
+    weight_map = {}
+    for i, names in enumerate(files, 1):
+        final = f"model-{i:05d}-of-{total:05d}.safetensors"
+        (out / f"part-{i:05d}.safetensors").rename(out / final)
+        weight_map.update({n: final for n in names})
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    src = Path(source_dir)
+    config = json.loads((src / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)

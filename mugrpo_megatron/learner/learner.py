@@ -1,0 +1,333 @@
+"""The Megatron-core learner: per-token log-probs and Mu-GRPO optimizer updates in any TP/PP/DP layout.
+
+Every rank holds the whole minibatch (it is small: token ids and a few floats per token); each
+data-parallel rank takes its rows, the pipeline schedule runs its microbatches, and results are
+summed over ranks so every rank sees the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from mugrpo_megatron.config import Config
+from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
+from mugrpo_megatron.learner.hf_config import read_model_spec
+from mugrpo_megatron.learner.model import (
+    DTYPES,
+    build_chunks,
+    init_parallel,
+    load_hf_weights,
+    transformer_config,
+)
+from mugrpo_megatron.objective import METRIC_WEIGHTS, policy_loss
+from mugrpo_megatron.types import TokenBatch, TrainBatch
+
+_PAD_LOGIT = -1e30  # padded vocabulary entries: exp() of it is 0, and 0 * it is not NaN
+
+
+@dataclass
+class StepResult:
+    """The outcome of one optimizer update, identical on every rank."""
+
+    loss: float
+    """The minibatch's policy loss (NaN or inf when the step was skipped for it)."""
+    grad_norm: float
+    """Global gradient norm before clipping (NaN when skipped before it was computed)."""
+    lr: float
+    """Learning rate used."""
+    skipped: bool
+    """True when the update was not applied: parameters and optimizer state are untouched."""
+    reason: str = ""
+    """Why the update was skipped."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The objective's metrics over the whole minibatch (see objective.policy_loss)."""
+    seconds: float = 0.0
+    """Wall time of the update."""
+
+
+@dataclass
+class _MicroBatch:
+    rows: slice                 # rows of the full batch
+    tokens: torch.Tensor        # [b, S]
+    position_ids: torch.Tensor  # [b, S]
+    labels: torch.Tensor        # [b, S] next token (0 in the last column)
+    loss_mask: torch.Tensor     # [b, S] next token is a response token
+    behav_logp: torch.Tensor | None = None  # [b, S] next-aligned
+    advantages: torch.Tensor | None = None  # [b]
+
+
+def _next_aligned(x: torch.Tensor) -> torch.Tensor:
+    """[B, S] aligned with tokens -> aligned with the prediction of the next token."""
+    out = torch.zeros_like(x)
+    out[:, :-1] = x[:, 1:]
+    return out
+
+
+class Learner:
+    """megatron-core GPTModel chunks with DDP, the (distributed) optimizer and an LR schedule."""
+
+    def __init__(self, cfg: Config, hf_dir: str | Path | None = None):
+        self.cfg = cfg
+        hf_dir = hf_dir or cfg.model.path
+        self.spec = read_model_spec(hf_dir)
+        self.layout = init_parallel(cfg.parallel, cfg.algo.seed)
+        chunks = build_chunks(self.spec, cfg.model, cfg.parallel)
+        load_hf_weights(chunks, self.spec, hf_dir, self.layout.tp_rank, self.layout.tp_size)
+        self.config = transformer_config(self.spec, cfg.model, cfg.parallel)
+        dtype = DTYPES[cfg.model.dtype]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+            check_for_nan_in_grad=False)
+        with megatron_on_cpu():
+            if dtype != torch.float32:
+                chunks = [Float16Module(chunks[0].config, c) for c in chunks]
+            self.model = [DistributedDataParallel(config=chunks[0].config if dtype == torch.float32
+                                                  else c.config, ddp_config=ddp_config, module=c)
+                          for c in chunks]
+            for m in self.model:
+                m.config.finalize_model_grads_func = finalize_model_grads
+            o = cfg.optim
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr,
+                                weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                                adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.grad_clip,
+                                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                                params_dtype=dtype,
+                                use_distributed_optimizer=cfg.parallel.distributed_optimizer),
+                self.model)
+        total = cfg.algo.total_updates
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.warmup_updates else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_updates, lr_decay_steps=max(total, o.warmup_updates + 1),
+            lr_decay_style=o.lr_schedule, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=total, wd_incr_style="constant")
+        self.num_updates = 0
+        self.padded_vocab = self.spec.padded_vocab_size(self.layout.tp_size)
+
+    # ------------------------------------------------------------------ batches
+
+    def _microbatches(self, batch: TokenBatch, train: bool) -> list[_MicroBatch]:
+        mbs = self.cfg.parallel.micro_batch_size
+        dp, dp_rank = self.layout.dp_size, self.layout.dp_rank
+        if batch.size % dp:
+            raise ValueError(f"batch of {batch.size} sequences does not split over {dp} "
+                             f"data-parallel ranks")
+        per_rank = batch.size // dp
+        lo = dp_rank * per_rank
+        seq = batch.tokens.shape[1]
+        labels = _next_aligned(batch.tokens)
+        loss_mask = _next_aligned(batch.response_mask.bool())
+        behav = _next_aligned(batch.behav_logp.float()) if train else None
+        out = []
+        for start in range(lo, lo + per_rank, mbs):
+            rows = slice(start, min(start + mbs, lo + per_rank))
+            n = rows.stop - rows.start
+            out.append(_MicroBatch(
+                rows=rows, tokens=batch.tokens[rows], position_ids=torch.arange(seq).expand(n, seq),
+                labels=labels[rows], loss_mask=loss_mask[rows],
+                behav_logp=behav[rows] if behav is not None else None,
+                advantages=batch.advantages[rows].float() if train else None))
+        return out
+
+    def _run(self, microbatches: list[_MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            device = _device()
+            output = model(input_ids=mb.tokens.to(device), position_ids=mb.position_ids.to(device),
+                           attention_mask=None)
+            return output, partial(loss_fn, mb)
+
+        n_chunks = len(self.model)
+        iterators = [iter(microbatches) for _ in range(n_chunks)]
+        seq = microbatches[0].tokens.shape[1]
+        with megatron_on_cpu():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators if n_chunks > 1 else iterators[0],
+                model=self.model if n_chunks > 1 else self.model[0],
+                num_microbatches=len(microbatches), seq_length=seq,
+                micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only)
+
+    # ------------------------------------------------------------------ log-probs
+
+    def token_logprobs(self, logits_bsv: torch.Tensor, labels_bs: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs from this TP rank's vocabulary shard, without gathering the vocab."""
+        logits = logits_bsv.float()
+        vocab_local = logits.shape[-1]
+        first = self.layout.tp_rank * vocab_local
+        if first + vocab_local > self.spec.vocab_size:
+            cols = torch.arange(first, first + vocab_local, device=logits.device)
+            logits = logits.masked_fill(cols >= self.spec.vocab_size, _PAD_LOGIT)
+        nll_sb = tensor_parallel.vocab_parallel_cross_entropy(
+            logits.transpose(0, 1).contiguous(), labels_bs.transpose(0, 1).contiguous())
+        return -nll_sb.transpose(0, 1)
+
+    @torch.no_grad()
+    def entropy(self, logits_bsv: torch.Tensor) -> torch.Tensor:
+        """Per-position entropy of the next-token distribution, reduced over the TP group."""
+        logits = logits_bsv.float()
+        vocab_local = logits.shape[-1]
+        first = self.layout.tp_rank * vocab_local
+        cols = torch.arange(first, first + vocab_local, device=logits.device)
+        logits = logits.masked_fill(cols >= self.spec.vocab_size, _PAD_LOGIT)
+        group = mpu.get_tensor_model_parallel_group()
+        m = logits.amax(dim=-1)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(logits - m.unsqueeze(-1))
+        z = e.sum(-1)
+        dist.all_reduce(z, group=group)
+        pl = (e * logits).sum(-1)
+        dist.all_reduce(pl, group=group)
+        return torch.log(z) + m - pl / z
+
+    @torch.no_grad()
+    def logprobs(self, batch: TokenBatch, with_entropy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-prob of every token given its prefix, ``[B, S]`` aligned with ``batch.tokens``
+        (0 at position 0), on every rank; with ``with_entropy``, the entropy of the distribution
+        each token was drawn from."""
+        microbatches = self._microbatches(batch, train=False)
+
+        def loss_fn(mb: _MicroBatch, output: torch.Tensor):
+            labels = mb.labels.to(output.device)
+            out = {"logp": self.token_logprobs(output, labels).cpu(), "rows": mb.rows}
+            if with_entropy:
+                out["entropy"] = self.entropy(output).cpu()
+            return output.new_zeros(()), out
+
+        for m in self.model:
+            m.eval()
+        results = self._run(microbatches, loss_fn, forward_only=True)
+        for m in self.model:
+            m.train()
+        logp = self._gather_rows(results, "logp", batch)
+        ent = self._gather_rows(results, "entropy", batch) if with_entropy else None
+        return logp, ent
+
+    def _gather_rows(self, results: list[dict], key: str, batch: TokenBatch) -> torch.Tensor:
+        """Next-aligned per-row results of the last stage -> token-aligned [B, S] on every rank."""
+        full = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        if mpu.is_pipeline_last_stage(ignore_virtual=True) and self.layout.tp_rank == 0:
+            for r in results:
+                full[r["rows"], 1:] = r[key][:, :-1]
+        full = full.to(_device())
+        dist.all_reduce(full)
+        return full.cpu()
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        """One optimizer update over ``batch`` (the whole minibatch, the same on every rank)."""
+        t0 = time.perf_counter()
+        a = self.cfg.algo
+        microbatches = self._microbatches(batch, train=True)
+        # The global count of response tokens (next-aligned, before the veto): every microbatch's
+        # loss is divided by it, so the update does not depend on the layout or the split.
+        num_tokens = int(_next_aligned(batch.response_mask.bool()).sum())
+        # megatron divides each microbatch loss by their number and DDP averages over DP ranks;
+        # undo both so the gradient is that of the whole minibatch's loss.
+        scale = len(microbatches) * self.layout.dp_size
+
+        def loss_fn(mb: _MicroBatch, output: torch.Tensor):
+            device = output.device
+            logp = self.token_logprobs(output, mb.labels.to(device))
+            loss, metrics = policy_loss(
+                logp, mb.behav_logp.to(device), mb.advantages.to(device), mb.loss_mask.to(device),
+                clip_low=a.clip_low, clip_high=a.clip_high, veto_threshold=a.veto_threshold,
+                veto_scope=a.veto_scope, num_tokens=num_tokens)
+            metrics["loss"] = loss.detach().float()
+            return loss * scale, metrics
+
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        results = self._run(microbatches, loss_fn, forward_only=False)
+        metrics = self._reduce_metrics(results)
+        lr = self.optimizer.param_groups[0]["lr"]
+        bad = self._nonfinite(metrics["loss"])
+        if bad:
+            for m in self.model:
+                m.zero_grad_buffer()
+            return StepResult(loss=metrics["loss"], grad_norm=math.nan, lr=lr, skipped=True,
+                              reason=bad, metrics=metrics, seconds=time.perf_counter() - t0)
+        with megatron_on_cpu():
+            ok, grad_norm, _ = self.optimizer.step()
+        if not ok:  # fp16 loss-scaler overflow: megatron already skipped the update
+            return StepResult(loss=metrics["loss"], grad_norm=math.nan, lr=lr, skipped=True,
+                              reason="fp16 gradient overflow", metrics=metrics,
+                              seconds=time.perf_counter() - t0)
+        self.scheduler.step(increment=1)
+        self.num_updates += 1
+        return StepResult(loss=metrics["loss"], grad_norm=float(grad_norm or 0.0), lr=lr,
+                          skipped=False, metrics=metrics, seconds=time.perf_counter() - t0)
+
+    def _nonfinite(self, loss: float) -> str:
+        """'' if the loss and every gradient are finite on every rank, else why not."""
+        grads_ok = all(torch.isfinite(p.main_grad).all() for m in self.model
+                       for p in m.parameters() if getattr(p, "main_grad", None) is not None)
+        flags = torch.tensor([0.0 if math.isfinite(loss) else 1.0, 0.0 if grads_ok else 1.0],
+                             device=_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] > 0:
+            return "non-finite loss"
+        if flags[1] > 0:
+            return "non-finite gradient"
+        return ""
+
+    def _reduce_metrics(self, results: list[dict]) -> dict[str, float]:
+        """Combine microbatch metrics of every DP rank as if computed on the whole minibatch."""
+        counts = ["num_tokens", "num_kept_tokens", "num_neg_tokens", "num_neg_kept_tokens",
+                  "num_neg_responses"]
+        names = list(METRIC_WEIGHTS)
+        vec = torch.zeros(len(counts) + len(names) + 1, dtype=torch.float64)
+        peak = torch.zeros(1, dtype=torch.float64)
+        if mpu.is_pipeline_last_stage(ignore_virtual=True) and self.layout.tp_rank == 0:
+            for r in results:
+                for i, c in enumerate(counts):
+                    vec[i] += float(r[c])
+                for j, n in enumerate(names):
+                    vec[len(counts) + j] += float(r[n]) * float(r[METRIC_WEIGHTS[n]])
+                vec[-1] += float(r["loss"])
+                peak[0] = max(float(peak[0]), float(r["abs_log_ratio_max"]))
+        vec, peak = vec.to(_device()), peak.to(_device())
+        dist.all_reduce(vec)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        vec, peak = vec.cpu(), peak.cpu()
+        out = {c: float(vec[i]) for i, c in enumerate(counts)}
+        for j, n in enumerate(names):
+            den = out[METRIC_WEIGHTS[n]]
+            out[n] = float(vec[len(counts) + j]) / den if den else 0.0
+        out["loss"] = float(vec[-1])
+        out["abs_log_ratio_max"] = float(peak[0])
+        return out
+
+    # ------------------------------------------------------------------ weights
+
+    def chunks(self) -> list[torch.nn.Module]:
+        """The bare GPTModel chunks (without DDP / Float16Module wrappers)."""
+        out = []
+        for m in self.model:
+            inner = m.module
+            out.append(inner.module if isinstance(inner, Float16Module) else inner)
+        return out
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")

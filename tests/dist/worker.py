@@ -1,0 +1,78 @@
+"""Runs under torchrun: one layout of the learner on a tiny model; rank 0 saves what it measured.
+
+python -m torch.distributed.run --nproc_per_node N tests/dist/worker.py HF_DIR BATCH OUT KEY=VALUE...
+
+BATCH is a safetensors file with tokens, response_mask, behav_logp, advantages and nan_behav (a
+copy of behav_logp with a NaN, whose step must be skipped). OUT gets tensors.safetensors (log-probs
+and entropy before the updates, log-probs after, logits at TP1), weights.safetensors and
+grads.safetensors (HF-named, after the first update) and result.json (the step results).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mugrpo_megatron.config import load_config
+from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
+from mugrpo_megatron.learner.export import iter_hf_tensors
+from mugrpo_megatron.learner.learner import Learner
+from mugrpo_megatron.types import TokenBatch, TrainBatch
+
+
+def hf_state(learner, **kw):
+    return {n: t.cpu().clone() for n, t in iter_hf_tensors(learner.chunks(), learner.spec, **kw)}
+
+
+def optimizer_checksum(learner) -> float:
+    total = torch.zeros((), dtype=torch.float64)
+    for state in learner.optimizer.state_dict().get("optimizer", {}).get("state", {}).values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                total += v.double().abs().sum()
+    torch.distributed.all_reduce(total)
+    return float(total)
+
+
+def main() -> None:
+    hf_dir, batch_path, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32", *sys.argv[4:]])
+    learner = Learner(cfg)
+    b = load_file(batch_path)
+    batch = TrainBatch(b["tokens"], b["response_mask"].bool(), b["behav_logp"], b["advantages"])
+    tensors = {}
+    if learner.layout.world_size == 1:
+        pos = torch.arange(batch.tokens.shape[1]).expand(batch.size, -1)
+        with torch.no_grad(), megatron_on_cpu():
+            tensors["logits"] = learner.chunks()[0](batch.tokens, pos, None)[..., :learner.spec.vocab_size].contiguous()
+    tensors["logp0"], tensors["entropy"] = learner.logprobs(
+        TokenBatch(batch.tokens, batch.response_mask), with_entropy=True)
+    steps = [learner.train_step(batch)]
+    grads = hf_state(learner, tensor_of=lambda p: p.main_grad)
+    before = hf_state(learner)
+    checksum = optimizer_checksum(learner)
+    steps.append(learner.train_step(TrainBatch(batch.tokens, batch.response_mask, b["nan_behav"],
+                                               batch.advantages)))
+    after = hf_state(learner)
+    untouched = all(torch.equal(before[k], after[k]) for k in before) and \
+        checksum == optimizer_checksum(learner)
+    steps.append(learner.train_step(batch))
+    tensors["logp1"], _ = learner.logprobs(TokenBatch(batch.tokens, batch.response_mask))
+    weights = hf_state(learner)
+    if torch.distributed.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "tensors.safetensors"))
+        save_file(weights, str(out / "weights.safetensors"))
+        save_file(grads, str(out / "grads.safetensors"))
+        (out / "result.json").write_text(json.dumps({
+            "skipped_step_left_state_untouched": untouched,
+            "num_updates": learner.num_updates,
+            "steps": [{"loss": s.loss, "grad_norm": s.grad_norm, "skipped": s.skipped,
+                       "reason": s.reason, "lr": s.lr, "metrics": s.metrics} for s in steps]}))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Helpers shared by the tests: tiny batches and torchrun launches."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_batch(path: Path, *, vocab: int = 380, batch: int = 8, seq: int = 24, seed: int = 0) -> Path:
+    """Random prompt+response rows with behaviour log-probs spread wide enough that the veto and
+    the clip both act."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, vocab, (batch, seq), generator=g)
+    resp = torch.zeros(batch, seq, dtype=torch.bool)
+    for b in range(batch):
+        start, length = 5 + b % 4, 6 + (b * 3) % 12
+        resp[b, start:min(seq, start + length)] = True
+        tokens[b, min(seq, start + length):] = 0  # right padding
+    behav = torch.where(resp, torch.rand(batch, seq, generator=g) * 12 - 8, torch.zeros(batch, seq))
+    nan = behav.clone()
+    nan[1, 7] = float("nan")
+    save_file({"tokens": tokens, "response_mask": resp.to(torch.uint8), "behav_logp": behav,
+               "advantages": torch.randn(batch, generator=g), "nan_behav": nan}, str(path))
+    return path
+
+
+def torchrun(nproc: int, script: Path, *args: str, timeout: int = 600) -> None:
+    """Run ``script`` under torchrun with ``nproc`` CPU processes; raise with its output on failure."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-8000:]}")
+
+
+def load_run(out: Path) -> dict:
+    return {"tensors": load_file(str(out / "tensors.safetensors")),
+            "weights": load_file(str(out / "weights.safetensors")),
+            "grads": load_file(str(out / "grads.safetensors")),
+            **json.loads((out / "result.json").read_text())}
