@@ -10,6 +10,7 @@ engine's weight update (resharding), so both use one mapping.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,45 +43,71 @@ def _stage_entries(chunks: list[torch.nn.Module], spec: ModelSpec
 def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
                     dtype: torch.dtype | None = None,
                     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.detach(),
+                    bucket_bytes: int = 512 << 20,
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model on every rank (collective).
 
-    ``tensor_of`` picks what is streamed for each parameter: its value (default) or, for tests
-    and diagnostics, e.g. its gradient ``lambda p: p.main_grad``.
+    Tensors cross pipeline stages in buckets of at most ``bucket_bytes`` (one flat broadcast per
+    bucket); a tensor larger than a bucket travels alone. ``tensor_of`` picks what is streamed for
+    each parameter: its value (default) or, for tests and diagnostics, e.g. ``lambda p: p.main_grad``.
     """
     tp_group = mpu.get_tensor_model_parallel_group()
     tp_size = mpu.get_tensor_model_parallel_world_size()
     pp_group = mpu.get_pipeline_model_parallel_group()
     pp_size = mpu.get_pipeline_model_parallel_world_size()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
+    pp_ranks = dist.get_process_group_ranks(pp_group)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
-    pp_ranks = dist.get_process_group_ranks(pp_group)
     mine = _stage_entries(chunks, spec)
     for stage in range(pp_size):
-        # the owning stage tells the others what it will send: (kind, names, shapes, dtype)
+        owner = stage == pp_rank
+        # the owning stage tells the others what it will send: one (name, shape, dtype) per tensor
         meta = None
-        if stage == pp_rank:
-            meta = [(pm.kind, pm.hf_names, [tuple(s) for s in _hf_shapes(p, pm, tp_size, spec)],
-                     str(tensor_of(p).dtype).removeprefix("torch.")) for p, pm in mine]
+        if owner:
+            meta = [(name, tuple(shape), str(tensor_of(p).dtype).removeprefix("torch."))
+                    for p, pm in mine
+                    for name, shape in zip(pm.hf_names, _hf_shapes(tensor_of(p), pm, tp_size, spec))]
         if pp_size > 1:
             box = [meta]
-            dist.broadcast_object_list(box, src=pp_ranks[stage],
-                                       group=pp_group)
+            dist.broadcast_object_list(box, src=pp_ranks[stage], group=pp_group)
             meta = box[0]
-        for i, (kind, names, shapes, dt) in enumerate(meta):
-            if stage == pp_rank:
-                param, pm = mine[i]
-                tensors = _gather_tp(tensor_of(param), pm, spec, tp_size, tp_group)
-            else:
-                tensors = [(n, torch.empty(s, dtype=getattr(torch, dt), device=device))
-                           for n, s in zip(names, shapes)]
+        produced = _produce(mine, tensor_of, spec, tp_size, tp_group) if owner else None
+        for bucket in _buckets(meta, bucket_bytes):
+            if owner:
+                tensors = [next(produced) for _ in bucket]
+            if pp_size > 1:
+                dt = getattr(torch, bucket[0][2])
+                numels = [math.prod(shape) for _, shape, _ in bucket]
+                flat = torch.cat([t.reshape(-1).to(device) for _, t in tensors]) if owner \
+                    else torch.empty(sum(numels), dtype=dt, device=device)
+                dist.broadcast(flat, src=pp_ranks[stage], group=pp_group)
+                tensors = [(name, part.view(shape)) for (name, shape, _), part in
+                           zip(bucket, flat.split(numels))]
             for name, t in tensors:
-                t = t.to(device).contiguous()
-                if pp_size > 1:
-                    dist.broadcast(t, src=pp_ranks[stage],
-                                   group=pp_group)
-                yield name, (t if dtype is None else t.to(dtype))
+                # never hand out a view of a live parameter: a consumer may keep it (vLLM can)
+                # and see later optimizer steps, or write into it
+                yield name, (t.clone() if dtype is None or t.dtype == dtype else t.to(dtype))
+
+
+def _produce(entries, tensor_of, spec, tp_size, tp_group) -> Iterator[tuple[str, torch.Tensor]]:
+    for param, pm in entries:
+        yield from _gather_tp(tensor_of(param), pm, spec, tp_size, tp_group)
+
+
+def _buckets(meta: list[tuple[str, tuple, str]], bucket_bytes: int) -> Iterator[list]:
+    """Consecutive tensors of one dtype, up to ``bucket_bytes`` together (a larger one alone)."""
+    bucket: list = []
+    size = 0
+    for entry in meta:
+        nbytes = math.prod(entry[1]) * torch.empty(0, dtype=getattr(torch, entry[2])).element_size()
+        if bucket and (size + nbytes > bucket_bytes or entry[2] != bucket[0][2]):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(entry)
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def _hf_shapes(param: torch.Tensor, pm: ParamMap, tp_size: int, spec: ModelSpec):

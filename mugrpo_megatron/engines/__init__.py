@@ -1,0 +1,26 @@
+"""Rollout engines behind one narrow interface; each backend is imported only when chosen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mugrpo_megatron.config import RolloutConfig
+from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
+
+__all__ = ["Generation", "RolloutEngine", "SamplingSpec", "WeightSyncStats", "make_engine"]
+
+
+def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
+                trust_remote_code: bool = False) -> RolloutEngine:
+    """Start the engine named by ``rollout.engine`` on the HF checkpoint in ``model_dir``."""
+    if cfg.engine == "vllm":
+        from mugrpo_megatron.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(cfg, model_dir, dtype=dtype, max_model_len=max_model_len,
+                          trust_remote_code=trust_remote_code)
+    if cfg.engine == "sglang":
+        from mugrpo_megatron.engines.sglang_engine import SGLangEngine
+
+        return SGLangEngine(cfg, model_dir, dtype=dtype, max_model_len=max_model_len,
+                            trust_remote_code=trust_remote_code)
+    raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}")

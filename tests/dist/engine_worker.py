@@ -1,0 +1,127 @@
+"""Runs under torchrun: the learner in some layout resharding into vLLM on rank 0.
+
+python -m torch.distributed.run --nproc_per_node N tests/dist/engine_worker.py HF_DIR OUT KEY=VALUE...
+
+Measures the train/inference log-prob gap on the engine's own samples before and after a training
+step, after deliberately wrong weight layouts, and compares greedy outputs with transformers on the
+exported HF checkpoint. Rank 0 writes OUT/result.json.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mugrpo_megatron.config import load_config
+from mugrpo_megatron.engines import SamplingSpec, make_engine
+from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
+from mugrpo_megatron.learner.learner import Learner
+from mugrpo_megatron.rollout import Sample, logprob_gap, to_batch
+
+PROMPTS = [[5, 17, 33, 9], [101, 7, 250], [42, 42, 8, 19, 3, 77], [300, 12]]
+
+
+def corrupt(stream, how, spec):
+    """Deliberately wrong layouts that a resharding bug could produce."""
+    for name, t in stream:
+        if how == "swap_qkv_groups" and name.endswith("self_attn.q_proj.weight"):
+            half = t.shape[0] // 2  # query heads of group 0 <-> group 1
+            t = torch.cat([t[half:], t[:half]])
+        elif how == "swap_gate_up" and "gate_proj" in name:
+            name = name.replace("gate_proj", "up_proj")
+        elif how == "swap_gate_up" and "up_proj" in name:
+            name = name.replace("up_proj", "gate_proj")
+        elif how == "pad_vocab" and name == "model.embed_tokens.weight":
+            t = torch.cat([t, torch.zeros(128 - t.shape[0] % 128, t.shape[1], dtype=t.dtype)])
+        yield name, t
+
+
+def main() -> None:
+    hf_dir, out = sys.argv[1], Path(sys.argv[2])
+    cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32",
+                             "algo.samples_per_update=8", "algo.total_updates=8",
+                             "algo.updates_per_phase=4", "optim.lr=1e-2", *sys.argv[3:]])
+    learner = Learner(cfg)
+    rank0 = dist.get_rank() == 0
+    engine = make_engine(cfg.rollout, hf_dir, dtype="float32", max_model_len=128) if rank0 else None
+    # tests pass a bucket smaller than the largest tensor to check that such a tensor travels alone
+    bucket = int(os.environ.get("TEST_BUCKET_BYTES", cfg.rollout.weight_bucket_mb << 20))
+    result: dict = {"gaps": {}, "sync": []}
+
+    def sync(how=None):
+        stream = iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=bucket)
+        if how:
+            stream = corrupt(stream, how, learner.spec)
+        err = None
+        if rank0:
+            try:
+                stats = engine.update_weights(stream)
+                result["sync"].append({"tensors": stats.num_tensors, "bytes": stats.num_bytes})
+            except Exception as e:  # a wrong shape may be refused at load: that counts as caught
+                err = f"{type(e).__name__}: {e}"[:300]
+        for _ in stream:  # the other ranks (and rank 0 after a refusal) take part in every collective
+            pass
+        box = [err]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def sample_and_score(label, greedy=False):
+        spec = SamplingSpec(n=1 if greedy else 2, max_new_tokens=12,
+                            temperature=0.0 if greedy else 1.0, seed=0)
+        samples = []
+        if rank0:
+            for i, gens in enumerate(engine.generate(PROMPTS, spec)):
+                samples += [Sample(0, i, i, tuple(PROMPTS[i]), g.token_ids, g.logprobs,
+                                   g.finish_reason, advantage=(1.0 if j == 0 else -1.0))
+                            for j, g in enumerate(gens)]
+        box = [samples]
+        dist.broadcast_object_list(box, src=0)
+        batch = to_batch(box[0])
+        logp, _ = learner.logprobs(batch)
+        gap = logprob_gap(logp, batch)
+        result["gaps"][label] = {"mean": gap.mean, "max": gap.max, "tokens": gap.num_tokens}
+        return batch, box[0]
+
+    sync()
+    batch, _ = sample_and_score("initial")
+    step = learner.train_step(batch)
+    result["step"] = {"loss": step.loss, "skipped": step.skipped}
+    sample_and_score("stale")  # the engine still has the old weights: the check must see it
+    sync()
+    sample_and_score("after_step")
+    for how in ("swap_qkv_groups", "swap_gate_up"):
+        err = sync(how)
+        if err is None:
+            sample_and_score(how)
+        else:
+            result["gaps"][how] = {"refused": err}
+        sync()
+    sample_and_score("restored")
+    # greedy outputs against transformers on the exported checkpoint
+    _, greedy = sample_and_score("greedy", greedy=True)
+    save_hf_checkpoint(iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=bucket),
+                       out / "hf", hf_dir, write=rank0, dtype="float32")
+    # last, since vLLM leaves its model half-loaded when it refuses a tensor
+    result["gaps"]["pad_vocab"] = {"refused": sync("pad_vocab")}
+    if rank0:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(out / "hf"), dtype=torch.float32)
+        same = []
+        for s in greedy:
+            ids = torch.tensor([list(s.prompt_ids)])
+            gen = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+            same.append(gen[0, ids.shape[1]:].tolist()[:len(s.response_ids)] == list(s.response_ids))
+        result["greedy_equal"] = same
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+        engine.shutdown()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

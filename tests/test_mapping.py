@@ -1,0 +1,98 @@
+"""The HF <-> Megatron layout table: shards and back, per TP size, against naive constructions."""
+
+import pytest
+import torch
+
+from mugrpo_megatron.learner.export import _buckets
+from mugrpo_megatron.learner.hf_config import model_spec_from_dict
+from mugrpo_megatron.learner.mapping import hf_from_shards, map_param, shard_from_hf
+
+CFG = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 32,
+       "intermediate_size": 48, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4,
+       "vocab_size": 100}
+
+
+def hf_tensors(spec):
+    g = torch.Generator().manual_seed(0)
+    h, hd = spec.hidden_size, spec.head_dim
+    shapes = {
+        "model.embed_tokens.weight": (spec.vocab_size, h),
+        "lm_head.weight": (spec.vocab_size, h),
+        "model.layers.1.self_attn.q_proj.weight": (spec.num_heads * hd, h),
+        "model.layers.1.self_attn.k_proj.weight": (spec.num_kv_heads * hd, h),
+        "model.layers.1.self_attn.v_proj.weight": (spec.num_kv_heads * hd, h),
+        "model.layers.1.self_attn.q_proj.bias": (spec.num_heads * hd,),
+        "model.layers.1.self_attn.k_proj.bias": (spec.num_kv_heads * hd,),
+        "model.layers.1.self_attn.v_proj.bias": (spec.num_kv_heads * hd,),
+        "model.layers.1.self_attn.o_proj.weight": (h, spec.num_heads * hd),
+        "model.layers.1.mlp.gate_proj.weight": (spec.ffn_hidden_size, h),
+        "model.layers.1.mlp.up_proj.weight": (spec.ffn_hidden_size, h),
+        "model.layers.1.mlp.down_proj.weight": (h, spec.ffn_hidden_size),
+        "model.layers.1.input_layernorm.weight": (h,),
+    }
+    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+MEGATRON = ["embedding.word_embeddings.weight", "output_layer.weight",
+            "decoder.layers.0.self_attention.linear_qkv.weight",
+            "decoder.layers.0.self_attention.linear_qkv.bias",
+            "decoder.layers.0.self_attention.linear_proj.weight",
+            "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+            "decoder.layers.0.input_layernorm.weight"]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shards_round_trip_bit_exact(tp):
+    spec = model_spec_from_dict(CFG)
+    hf = hf_tensors(spec)
+    read = lambda name, index: hf[name] if index is None else hf[name][index]  # noqa: E731
+    padded = spec.padded_vocab_size(tp)
+    for name in MEGATRON:
+        pm = map_param(name, spec, global_layer=1)
+        shards = [shard_from_hf(pm, read, spec, r, tp, padded) for r in range(tp)]
+        for hf_name, t in hf_from_shards(pm, shards, spec):
+            assert torch.equal(t, hf[hf_name]), (name, hf_name)
+
+
+def test_qkv_layout_is_grouped_per_query_group():
+    spec = model_spec_from_dict(CFG)  # 8 heads, 4 groups: 2 q heads per group
+    hf = hf_tensors(spec)
+    read = lambda name, index: hf[name] if index is None else hf[name][index]  # noqa: E731
+    pm = map_param("decoder.layers.0.self_attention.linear_qkv.weight", spec, 1)
+    shard = shard_from_hf(pm, read, spec, 1, 2, 128)  # rank 1 of TP2: groups 2 and 3
+    hd, q, k, v = 4, *(hf[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv")
+    expected = []
+    for g in (2, 3):  # naive: per group, its 2 query heads, then its k head, then its v head
+        expected += [q[(2 * g) * hd:(2 * g + 2) * hd], k[g * hd:(g + 1) * hd], v[g * hd:(g + 1) * hd]]
+    assert torch.equal(shard, torch.cat(expected))
+
+
+def test_vocab_padding_and_tied_output():
+    spec = model_spec_from_dict({**CFG, "tie_word_embeddings": True})
+    assert spec.padded_vocab_size(1) == 128 and spec.padded_vocab_size(2) == 256
+    assert map_param("output_layer.weight", spec).hf_names == ("model.embed_tokens.weight",)
+    hf = hf_tensors(spec)
+    read = lambda name, index: hf[name] if index is None else hf[name][index]  # noqa: E731
+    pm = map_param("embedding.word_embeddings.weight", spec)
+    last = shard_from_hf(pm, read, spec, 1, 2, 256)  # rows 128..255: all padding
+    assert last.shape == (128, 32) and not last.any()
+
+
+def test_unsupported_and_layout_errors():
+    with pytest.raises(ValueError, match="architecture 'GPT2LMHeadModel' is not supported"):
+        model_spec_from_dict({**CFG, "architectures": ["GPT2LMHeadModel"]})
+    spec = model_spec_from_dict(CFG)
+    with pytest.raises(ValueError, match=r"parallel\.tensor: 8 is more than or does not divide the 4 KV"):
+        spec.check_tensor_parallel(8)
+    spec.check_tensor_parallel(4)
+    with pytest.raises(ValueError, match="no HF mapping"):
+        map_param("decoder.layers.0.mlp.router.weight", spec, 0)
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        model_spec_from_dict({**CFG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_buckets_bound_size_and_big_tensor_alone():
+    meta = [("a", (10,), "float32"), ("b", (10,), "float32"), ("big", (100,), "float32"),
+            ("c", (5,), "float32"), ("d", (5,), "bfloat16")]
+    buckets = [[name for name, _, _ in b] for b in _buckets(meta, bucket_bytes=80)]
+    assert buckets == [["a", "b"], ["big"], ["c"], ["d"]]
