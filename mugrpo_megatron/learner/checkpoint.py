@@ -1,0 +1,158 @@
+"""Learner checkpoints with megatron-core's distributed checkpointing.
+
+Model and optimizer state are saved as sharded tensors (``torch_dist`` format) so that a run can
+resume with another TP/PP/DP layout; the distributed optimizer uses its "fully_reshardable"
+layout for the same reason. The LR scheduler, the phase/update counters and the RNG state go to a
+small JSON file (no pickles). A checkpoint directory is complete once ``state.json`` exists: it is
+written last, after every rank finished writing tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
+
+_OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _sharded_state(learner, loading: bool) -> dict[str, Any]:
+    # the bare GPTModel chunks, so tensor keys do not depend on the DDP/fp16 wrappers
+    chunks = learner.chunks()
+    state: dict[str, Any] = {_model_key(i, len(chunks)): c.sharded_state_dict()
+                             for i, c in enumerate(chunks)}
+    model_state = state["model"] if len(chunks) == 1 else dict(state)
+    state["optimizer"] = learner.optimizer.sharded_state_dict(
+        model_state, is_loading=loading, metadata=_OPT_METADATA)
+    return state
+
+
+def _model_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+def save_learner(learner, path: Path, counters: dict[str, int]) -> None:
+    """Collective: every rank writes its shards; rank 0 writes state.json last."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    with megatron_on_cpu():
+        dist_checkpointing.save(_sharded_state(learner, loading=False), str(tmp),
+                                content_metadata=_OPT_METADATA)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (tmp / "state.json").write_text(json.dumps({
+            "counters": counters,
+            "scheduler": learner.scheduler.state_dict(),
+            "num_updates": learner.num_updates,
+            "distributed_optimizer": learner.cfg.parallel.distributed_optimizer,
+        }, indent=1))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    dist.barrier()
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer its state tensors, which the loading state dict must describe.
+
+    Without apex or TE, megatron wraps torch's Adam, whose state (and 'step') exists only after a
+    first step: take one with zero gradients, lr and weight decay, which changes nothing (the
+    loaded checkpoint then overwrites every value anyway).
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        opt = inner.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if all(len(opt.state[p]) > 0 for p in params):
+            continue
+        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for g, (lr, wd) in zip(opt.param_groups, saved):
+            g["lr"], g["weight_decay"] = lr, wd
+
+
+def _tolerate_missing_step(optimizer) -> None:
+    """megatron-core 0.16 with torch's Adam (no apex/TE) restores 'step' from the param groups and
+    then, loading a fully reshardable state, copies every per-parameter state key from the
+    checkpoint, which has no 'step' (KeyError). Copy only the keys the checkpoint has."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not hasattr(inner, "_set_main_param_and_optimizer_states") or \
+                inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue
+
+        def set_states(model_param, tensors, inner=inner):
+            group_index, group_order = inner.model_param_group_index_map[model_param]
+            main_param = inner.optimizer.param_groups[group_index]["params"][group_order]
+            dst = {"param": main_param, **inner.optimizer.state[main_param]}
+            for key, tensor in tensors.items():
+                dst[key].copy_(tensor)
+
+        inner._set_main_param_and_optimizer_states = set_states
+
+
+def _unshare_steps(optimizer) -> None:
+    """megatron-core restores torch Adam's 'step' as one tensor shared by every parameter's state;
+    torch increments each parameter's step in place, so a shared one would advance once per
+    parameter and skew the bias correction. Give each parameter its own."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in inner.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def load_learner(learner, path: Path) -> dict[str, int]:
+    """Restore model, optimizer and scheduler (any layout); returns the saved counters."""
+    path = Path(path)
+    meta = json.loads((path / "state.json").read_text())
+    saved_distopt = meta.get("distributed_optimizer")
+    if saved_distopt is not None and saved_distopt != learner.cfg.parallel.distributed_optimizer:
+        raise ValueError(
+            f"parallel.distributed_optimizer: the checkpoint {path} was saved with "
+            f"{saved_distopt}, this run has {learner.cfg.parallel.distributed_optimizer}; "
+            f"TP/PP/DP sizes may change on resume, this setting may not")
+    _ensure_optimizer_state(learner.optimizer)
+    _tolerate_missing_step(learner.optimizer)
+    with megatron_on_cpu():
+        state = dist_checkpointing.load(_sharded_state(learner, loading=True), str(path))
+        chunks = learner.chunks()
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(state[_model_key(i, len(chunks))])
+        learner.optimizer.load_state_dict(state["optimizer"])
+    _unshare_steps(learner.optimizer)
+    learner.scheduler.load_state_dict(meta["scheduler"])
+    learner.num_updates = meta["num_updates"]
+    return meta["counters"]
+
+
+def is_complete(path: Path) -> bool:
+    return (Path(path) / "state.json").is_file()
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (``update_0000128`` style names)."""
+    if not Path(root).is_dir():
+        return None
+    done = sorted(p for p in Path(root).glob("update_*") if is_complete(p))
+    return done[-1] if done else None
+
+
+def prune(root: Path, keep_last: int) -> None:
+    done = sorted(p for p in Path(root).glob("update_*") if is_complete(p))
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+

@@ -1,0 +1,73 @@
+"""Where numbers go: the console, ``metrics.jsonl`` in the run directory, TensorBoard, wandb.
+
+Only the logging rank (global rank 0) writes. Each record has a ``kind`` ("update", "phase",
+"event") and the global update it belongs to.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mugrpo_megatron.config import LoggingConfig
+
+
+class MetricsLogger:
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, enabled: bool, run_config: dict | None = None):
+        self.cfg = cfg
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print("[metrics] tensorboard is not installed; logging.tensorboard ignored",
+                      file=sys.stderr)
+            else:
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if cfg.wandb:
+            import wandb  # the user asked for it: a missing package is an error
+
+            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), config=run_config)
+
+    def log(self, kind: str, update: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"kind": kind, "update": update, "time": time.time(), **values}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, default=_jsonable) + "\n")
+        scalars = {f"{kind}/{k}": float(v) for k, v in values.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, update)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=update)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return str(x)
