@@ -2,6 +2,7 @@
 
 - ``config``: print every config key with its value and docstring (after YAML and ``--set``).
 - ``plan``: validate a config for a world size and print the phase schedule.
+- ``train``: run Mu-GRPO (``--dry-run``: layout and per-GPU memory estimate, no GPU needed).
 """
 
 from __future__ import annotations
@@ -44,6 +45,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    import os
+
+    cfg = _load(args)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.check_world_size(world)  # before any process group exists
+    if args.dry_run:
+        from mugrpo_megatron.dryrun import dry_run
+
+        print(dry_run(cfg, world))
+        return 0
+    from mugrpo_megatron.trainer import RunFailed, Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.run()
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        trainer.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mugrpo_megatron",
                                      description="Mu-GRPO on Megatron-core with vLLM/SGLang rollouts")
@@ -55,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(p)
     p.add_argument("--world-size", type=int, default=1)
     p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("train", help="train with Mu-GRPO (launch through torchrun for > 1 process)")
+    _add_config_args(p)
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the config for a world size and print the layout and memory "
+                        "estimate; needs no GPU")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="world size for --dry-run (default: $WORLD_SIZE or 1)")
+    p.set_defaults(fn=cmd_train)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -134,6 +134,11 @@ class RolloutConfig(_Section):
     """Release the engine's GPU memory (weights and KV cache) while the learner optimizes."""
     weight_bucket_mb: int = 512
     """Size of one bucket of weights streamed from the learner to the engine, in MiB."""
+    generate_chunk_prompts: int = 64
+    """Prompts per generation call; each chunk is scored and written to the run directory before
+    the next, so a killed run loses at most one chunk of generation."""
+    eval_samples: int = 1
+    """Responses per held-out prompt in evaluation (k of mean@k and pass@k); 1 decodes greedily."""
     mismatch_check_samples: int = 4
     """Engine samples re-scored by the learner after each weight sync (train/infer log-prob gap);
     0 turns the check off."""
@@ -142,7 +147,7 @@ class RolloutConfig(_Section):
 
     def __post_init__(self) -> None:
         self._positive("tensor_parallel", "group_size", "max_new_tokens", "cpu_kv_cache_gib",
-                       "weight_bucket_mb")
+                       "weight_bucket_mb", "generate_chunk_prompts", "eval_samples")
         self._non_negative("mismatch_check_samples")
         if not 0 < self.temperature:
             self._fail("temperature", "must be > 0")

@@ -1,0 +1,95 @@
+"""The end-of-run report: a short Markdown summary and PNG plots, built from ``metrics.jsonl``.
+
+Every number in it is read from what the run logged; nothing is computed from assumptions.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from mugrpo_megatron.metrics import read_metrics
+
+PLOTTED = [
+    ("reward", "reward (minibatch mean)"),
+    ("clip_frac", "clip fraction"),
+    ("veto_frac", "vetoed token fraction"),
+    ("rho_neg_mean", "E[rho | A < 0]"),
+    ("abs_log_ratio_mean", "|log pi_theta - log pi_behav| (mean)"),
+]
+
+
+def write_report(run_dir: Path) -> Path:
+    records = read_metrics(run_dir / "metrics.jsonl")
+    updates = [r for r in records if r["kind"] == "update" and not r.get("reason")]
+    phases = [r for r in records if r["kind"] == "phase"]
+    evals = {r["label"]: r for r in records if r["kind"] == "eval"}
+    plots = _plot(run_dir / "plots", updates, phases)
+    lines = [f"# Run report: {run_dir}", ""]
+    if evals:
+        lines += ["## Held-out accuracy", "", "| when | mean@k | pass@k | k | prompts |",
+                  "|---|---|---|---|---|"]
+        for label in ("before", "after"):
+            if label in evals:
+                e = evals[label]
+                lines.append(f"| {label} | {e['eval_mean_at_k']:.3f} | {e['eval_pass_at_k']:.3f} | "
+                             f"{e['eval_k']} | {e['eval_prompts']} |")
+        lines.append("")
+    if phases:
+        lines += ["## Phases", "",
+                  "| phase | reward | uniform groups | gen s | sync s | switch s | optimize s | "
+                  "train/infer gap (mean / max) |", "|---|---|---|---|---|---|---|---|"]
+        for p in phases:
+            gap = (f"{p['logprob_gap_mean']:.2e} / {p['logprob_gap_max']:.2e}"
+                   if "logprob_gap_mean" in p else "-")
+            lines.append(f"| {p['phase']} | {p['reward_mean']:.3f} | {p['uniform_groups']} | "
+                         f"{p['generate_seconds']:.1f} | {p['sync_seconds']:.2f} | "
+                         f"{p['switch_seconds']:.2f} | {p['optimize_seconds']:.1f} | {gap} |")
+        tot = {k: sum(p[k] for p in phases) for k in
+               ("generate_seconds", "score_seconds", "sync_seconds", "switch_seconds",
+                "optimize_seconds")}
+        total = sum(tot.values())
+        lines += ["", "Time split over all phases: " + ", ".join(
+            f"{k.removesuffix('_seconds')} {v:.1f}s ({100 * v / total:.0f}%)"
+            for k, v in tot.items()) if total else "", ""]
+    skipped = [r for r in records if r["kind"] == "update" and r.get("skipped")]
+    lines += [f"Updates: {len(updates)} applied, {len(skipped)} skipped.", ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots]
+    out = run_dir / "report.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _plot(out_dir: Path, updates: list[dict], phases: list[dict]) -> list[Path]:
+    if not updates:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(len(PLOTTED) + 1, 1, figsize=(8, 2.2 * (len(PLOTTED) + 1)),
+                             sharex=True)
+    xs = [r["update"] for r in updates]
+    for ax, (key, title) in zip(axes, PLOTTED):
+        ys = [r.get(key, math.nan) for r in updates]
+        ax.plot(xs, ys, lw=1)
+        ax.set_title(title, fontsize=9)
+        for p in phases:  # phase boundaries: where the behaviour policy is refreshed
+            ax.axvline(p["update"], color="grey", lw=0.5, ls=":")
+    gap_x = [p.get("first_update", p["update"]) for p in phases if "logprob_gap_mean" in p]
+    axes[-1].plot(gap_x, [p["logprob_gap_mean"] for p in phases if "logprob_gap_mean" in p],
+                  "o-", label="mean")
+    axes[-1].plot(gap_x, [p["logprob_gap_max"] for p in phases if "logprob_gap_max" in p],
+                  "s--", label="max")
+    axes[-1].set_title("train/inference log-prob gap after each weight sync", fontsize=9)
+    axes[-1].set_yscale("log")
+    axes[-1].legend(fontsize=7)
+    axes[-1].set_xlabel("update")
+    fig.tight_layout()
+    path = out_dir / "training.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
