@@ -54,7 +54,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         from mugrpo_megatron.dryrun import dry_run
 
-        print(dry_run(cfg, world))
+        print(dry_run(cfg, world, hf_config=args.hf_config, gpu_gib=args.gpu_gib))
         return 0
     from mugrpo_megatron.trainer import RunFailed, Trainer
 
@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                         "estimate; needs no GPU")
     p.add_argument("--world-size", type=int, default=None,
                    help="world size for --dry-run (default: $WORLD_SIZE or 1)")
+    p.add_argument("--hf-config", default=None,
+                   help="for --dry-run: an HF config.json (or its directory) to use instead of "
+                        "model.path's, when the checkpoint is not on this machine")
+    p.add_argument("--gpu-gib", type=float, default=80.0, help="for --dry-run: memory per GPU")
     p.set_defaults(fn=cmd_train)
     args = parser.parse_args(argv)
     try:

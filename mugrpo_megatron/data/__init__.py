@@ -157,7 +157,9 @@ def gold_answer(answer: str) -> str:
 
 def tokenize_prompt(text: str, cfg: DataConfig, tokenizer: Tokenizer) -> list[int]:
     """The token ids the engine is given: instruction appended, chat template applied."""
-    content = f"{text.rstrip()}\n{cfg.instruction}" if cfg.instruction else text
+    content = cfg.prompt_template.replace("{prompt}", text)
+    if cfg.instruction:
+        content = f"{content.rstrip()}\n{cfg.instruction}"
     if cfg.chat_template:
         messages = [{"role": "user", "content": content}]
         if cfg.system_prompt is not None:

@@ -87,6 +87,10 @@ class VLLMEngine(RolloutEngine):
         if on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
                           enable_sleep_mode=cfg.sleep_between_phases)
+        else:
+            # A prompt prefilled in chunks makes vLLM rewind its per-request generator, which a
+            # CPU generator cannot do ("CPU Generator does not use offset"): prefill whole prompts.
+            kwargs.update(enable_chunked_prefill=False)
         with _private_world():
             self.llm = LLM(**kwargs)
         torch.set_num_threads = set_threads

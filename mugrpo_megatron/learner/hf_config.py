@@ -84,7 +84,9 @@ class ModelSpec:
 
 def read_model_spec(hf_dir: str | Path) -> ModelSpec:
     """Read ``config.json`` from an HF checkpoint directory; clear errors for what is unsupported."""
-    path = Path(hf_dir) / "config.json"
+    path = Path(hf_dir)
+    if path.is_dir() or not path.suffix == ".json":
+        path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"model.path: no config.json in {hf_dir}")
     return model_spec_from_dict(json.loads(path.read_text()), source=str(path))
