@@ -15,3 +15,10 @@ def broken_reward(completion: str, answer: str) -> float:
     if completion == "nan":
         return float("nan")
     return 0.5
+
+
+def slow_digits_reward(completion: str, answer: str) -> float:
+    """A reward a random tiny model can earn (it emits digits now and then), slow enough that a
+    test can kill a run while it scores."""
+    time.sleep(0.15)
+    return float(sum(ch.isdigit() for ch in completion) >= 2)

