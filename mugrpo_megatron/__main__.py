@@ -3,6 +3,8 @@
 - ``config``: print every config key with its value and docstring (after YAML and ``--set``).
 - ``plan``: validate a config for a world size and print the phase schedule.
 - ``train``: run Mu-GRPO (``--dry-run``: layout and per-GPU memory estimate, no GPU needed).
+- ``convert``: HF <-> Megatron checkpoints in any TP/PP layout.
+- ``eval``: pass@1 / mean@k / pass@k of a checkpoint on a local math benchmark file.
 """
 
 from __future__ import annotations
@@ -69,6 +71,74 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mugrpo_megatron.config import ParallelConfig
+
+    parallel = ParallelConfig(tensor=args.tp, pipeline=args.pp, distributed_optimizer=False)
+    import os
+
+    parallel.data_parallel(int(os.environ.get("WORLD_SIZE", "1")))  # layout check, before groups
+    from mugrpo_megatron.learner import convert
+
+    if args.to == "megatron":
+        if not args.hf_dir:
+            raise ValueError("--to megatron needs --hf-dir")
+        convert.hf_to_megatron(Path(args.hf_dir), Path(args.out), parallel, args.dtype)
+    else:
+        if not args.checkpoint:
+            raise ValueError("--to hf needs --checkpoint")
+        convert.megatron_to_hf(Path(args.checkpoint), Path(args.out), parallel, args.dtype)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    cfg = _load(args)
+    model = Path(args.model or cfg.model.path)
+    with tempfile.TemporaryDirectory() as tmp:
+        if (model / "state.json").is_file():  # a Megatron checkpoint: export it to HF first
+            from mugrpo_megatron.config import ParallelConfig
+            from mugrpo_megatron.learner.convert import megatron_to_hf
+
+            megatron_to_hf(model, Path(tmp) / "hf", ParallelConfig(distributed_optimizer=False),
+                           cfg.model.dtype)
+            model = Path(tmp) / "hf"
+        from transformers import AutoTokenizer
+
+        from mugrpo_megatron.data import load_prompts
+        from mugrpo_megatron.engines import make_engine
+        from mugrpo_megatron.evaluation import evaluate
+        from mugrpo_megatron.rewards import RewardScorer
+
+        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=cfg.model.trust_remote_code)
+        data = cfg.data if args.data is None else __import__("dataclasses").replace(
+            cfg.data, eval_path=args.data, eval_size=args.limit)
+        prompts, report = load_prompts(data, tokenizer, held_out=True)
+        print(f"[eval] {report.summary()}")
+        engine = make_engine(cfg.rollout, model, dtype=cfg.model.dtype,
+                             max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                             trust_remote_code=cfg.model.trust_remote_code)
+        try:
+            with RewardScorer(cfg.reward) as scorer:
+                res = evaluate(engine, scorer, tokenizer, prompts, k=args.samples,
+                               max_new_tokens=cfg.rollout.max_new_tokens,
+                               temperature=cfg.rollout.temperature, seed=cfg.rollout.seed)
+        finally:
+            engine.shutdown()
+    out = {"model": str(args.model or cfg.model.path), "data": str(data.eval_path),
+           "pass@1" if args.samples == 1 else f"mean@{args.samples}": res.mean_at_k,
+           f"pass@{args.samples}": res.pass_at_k, **res.as_dict()}
+    print(json.dumps(out, indent=1))
+    if args.output:
+        Path(args.output).write_text(json.dumps(out, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mugrpo_megatron",
                                      description="Mu-GRPO on Megatron-core with vLLM/SGLang rollouts")
@@ -92,6 +162,26 @@ def main(argv: list[str] | None = None) -> int:
                         "model.path's, when the checkpoint is not on this machine")
     p.add_argument("--gpu-gib", type=float, default=80.0, help="for --dry-run: memory per GPU")
     p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("convert", help="HF <-> Megatron checkpoints (torchrun for N > 1 processes)")
+    p.add_argument("--to", choices=["megatron", "hf"], required=True)
+    p.add_argument("--hf-dir", help="HF checkpoint to read (--to megatron)")
+    p.add_argument("--checkpoint", help="Megatron checkpoint to read (--to hf)")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert with")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to convert with")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(fn=cmd_convert)
+    p = sub.add_parser("eval", help="score a checkpoint (HF dir or Megatron checkpoint) on a "
+                                    "local math benchmark file")
+    _add_config_args(p)
+    p.add_argument("--model", help="HF directory or Megatron checkpoint (default: model.path)")
+    p.add_argument("--data", help="benchmark file (jsonl/parquet; default: data.eval_path)")
+    p.add_argument("--limit", type=int, default=1_000_000, help="at most this many problems")
+    p.add_argument("--samples", type=int, default=1,
+                   help="k responses per problem: 1 decodes greedily (pass@1); k > 1 samples at "
+                        "rollout.temperature and reports mean@k and pass@k")
+    p.add_argument("--output", help="also write the result as JSON here")
+    p.set_defaults(fn=cmd_eval)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

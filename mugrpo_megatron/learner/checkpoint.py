@@ -51,6 +51,9 @@ def save_learner(learner, path: Path, counters: dict[str, int]) -> None:
                                 content_metadata=_OPT_METADATA)
     dist.barrier()
     if dist.get_rank() == 0:
+        from mugrpo_megatron.learner.convert import keep_hf_config
+
+        keep_hf_config(Path(learner.cfg.model.path), tmp)
         (tmp / "state.json").write_text(json.dumps({
             "counters": counters,
             "scheduler": learner.scheduler.state_dict(),
@@ -118,6 +121,13 @@ def load_learner(learner, path: Path) -> dict[str, int]:
     """Restore model, optimizer and scheduler (any layout); returns the saved counters."""
     path = Path(path)
     meta = json.loads((path / "state.json").read_text())
+    if meta.get("model_only"):
+        from mugrpo_megatron.learner.convert import load_model_state
+
+        load_model_state(learner.chunks(), path)
+        if hasattr(learner.optimizer, "reload_model_params"):  # fp32 master copies follow
+            learner.optimizer.reload_model_params()
+        return {"update": 0, "phase": 0}
     saved_distopt = meta.get("distributed_optimizer")
     if saved_distopt is not None and saved_distopt != learner.cfg.parallel.distributed_optimizer:
         raise ValueError(
