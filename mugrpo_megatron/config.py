@@ -112,8 +112,8 @@ class ParallelConfig(_Section):
 class RolloutConfig(_Section):
     _name: ClassVar[str] = "rollout"
 
-    engine: Literal["vllm", "sglang"] = "vllm"
-    """Rollout engine; imported only when chosen."""
+    engine: Literal["vllm"] = "vllm"
+    """Rollout engine; imported only when chosen (SGLang is planned, not in this version)."""
     tensor_parallel: int = 1
     """Tensor-parallel size of each engine replica (independent of the learner's layout)."""
     group_size: int = 8

@@ -1,0 +1,43 @@
+"""Shared helpers for the benchmark scripts: repeats, medians and spread, tables, JSON output."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def machine() -> dict[str, str]:
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "cpu": platform.processor() or platform.machine(),
+            "threads": str(torch.get_num_threads()),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+            "torch": torch.__version__}
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x)
+
+
+def write_json(path: str | Path, payload: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"machine": machine(), **payload}, indent=1))

@@ -1,0 +1,116 @@
+"""Learner throughput and weight-sync speed for one layout (run under torchrun).
+
+For each model size: tokens/s of a train step, the time to reshard the learner's shards into full
+HF tensors (gather only), the time of a full sync into vLLM (reshard + engine load), and a plain
+memory copy of the same bytes measured in the same run; medians of --repeats.
+
+    torchrun --nproc_per_node 2 benchmarks/learner_and_sync.py --tp 2 --out results/tp2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import summarize, table, write_json  # noqa: E402
+
+from mugrpo_megatron.config import load_config  # noqa: E402
+from mugrpo_megatron.engines import make_engine  # noqa: E402
+from mugrpo_megatron.learner.export import iter_hf_tensors  # noqa: E402
+from mugrpo_megatron.learner.learner import Learner  # noqa: E402
+from mugrpo_megatron.rollout import Sample, to_batch  # noqa: E402
+from mugrpo_megatron.tiny import make_tiny_checkpoint  # noqa: E402
+
+SIZES = {"h256": dict(hidden_size=256, ffn_hidden_size=704, num_heads=4, num_kv_heads=2),
+         "h512": dict(hidden_size=512, ffn_hidden_size=1408, num_heads=8, num_kv_heads=4),
+         "h1024": dict(hidden_size=1024, ffn_hidden_size=2816, num_heads=16, num_kv_heads=4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--sizes", default="h256,h512,h1024")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    tmp = Path(tempfile.gettempdir()) / "mugrpo_bench_models"
+    rows, results = [], {}
+    for name in args.sizes.split(","):
+        path = tmp / f"{name}_l{args.layers}"
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            if not (path / "config.json").exists():
+                make_tiny_checkpoint(path, "llama", num_layers=args.layers, vocab_size=4096,
+                                     **SIZES[name])
+        if dist.is_initialized():
+            dist.barrier()
+        cfg = load_config(None, [f"model.path={path}", "model.dtype=float32",
+                                 f"parallel.tensor={args.tp}", f"parallel.pipeline={args.pp}",
+                                 "parallel.micro_batch_size=8", "parallel.distributed_optimizer=false",
+                                 "algo.samples_per_update=32", "algo.total_updates=8",
+                                 "algo.updates_per_phase=4", "optim.lr=1e-5"])
+        learner = Learner(cfg)
+        rank0 = dist.get_rank() == 0
+        engine = make_engine(cfg.rollout, path, dtype="float32", max_model_len=256) if rank0 else None
+        g = torch.Generator().manual_seed(0)
+        samples = [Sample(0, i, i // 4, tuple(torch.randint(5, 4000, (32,), generator=g).tolist()),
+                          tuple(torch.randint(5, 4000, (96,), generator=g).tolist()),
+                          tuple([-3.0] * 96), "length", advantage=float(i % 3 - 1))
+                   for i in range(32)]
+        batch = to_batch(samples)
+        learner.train_step(batch)  # warm-up
+        step_s, reshard_s, sync_s, copy_s = [], [], [], []
+        nbytes = 0
+        for _ in range(args.repeats):
+            step_s.append(learner.train_step(batch).seconds)
+            t0 = time.perf_counter()
+            nbytes = sum(t.numel() * t.element_size() for _, t in
+                         iter_hf_tensors(learner.chunks(), learner.spec))
+            reshard_s.append(time.perf_counter() - t0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            stream = iter_hf_tensors(learner.chunks(), learner.spec)
+            if rank0:
+                engine.update_weights(stream)
+            for _ in stream:
+                pass
+            sync_s.append(time.perf_counter() - t0)
+            src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+            dst = torch.empty_like(src)
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            copy_s.append(time.perf_counter() - t0)
+        tokens = int(batch.response_mask.sum())
+        res = {"params": learner.spec.num_parameters(), "bytes": nbytes,
+               "step_s": summarize(step_s), "tokens_per_s": tokens / summarize(step_s)["median"],
+               "reshard_s": summarize(reshard_s), "sync_s": summarize(sync_s),
+               "memcpy_s": summarize(copy_s)}
+        res["sync_gb_s"] = nbytes / 1e9 / res["sync_s"]["median"]
+        res["reshard_gb_s"] = nbytes / 1e9 / res["reshard_s"]["median"]
+        res["memcpy_gb_s"] = nbytes / 1e9 / res["memcpy_s"]["median"]
+        results[name] = res
+        rows.append([name, f"{res['params'] / 1e6:.1f}M", f"{nbytes / 1e6:.0f}MB",
+                     res["tokens_per_s"], res["reshard_gb_s"], res["sync_gb_s"], res["memcpy_gb_s"],
+                     res["sync_gb_s"] / res["memcpy_gb_s"]])
+        if rank0:
+            engine.shutdown()
+        del learner
+    if dist.get_rank() == 0:
+        print(f"layout TP{args.tp} PP{args.pp} (world {dist.get_world_size()})")
+        print(table(["model", "params", "fp32 bytes", "train tok/s", "reshard GB/s", "sync GB/s",
+                     "memcpy GB/s", "sync/memcpy"], rows))
+        write_json(args.out, {"layout": {"tp": args.tp, "pp": args.pp}, "results": results})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
