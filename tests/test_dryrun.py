@@ -38,5 +38,5 @@ def test_dry_run_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match="world size 9 is not divisible"):
         load_config(ROOT / "configs" / "qwen2.5-math-7b_8xh100.yaml").check_world_size(9)
     cfg = load_config(ROOT / "configs" / "qwen2.5-math-7b_8xh100.yaml", ["parallel.tensor=8"])
-    with pytest.raises(ValueError, match="KV heads"):
+    with pytest.raises(ValueError, match="does not divide the 28 attention heads"):
         dry_run(cfg, 8, ROOT / "configs" / "models" / "qwen2.5-math-7b.json")
