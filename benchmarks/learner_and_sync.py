@@ -23,6 +23,7 @@ from common import summarize, table, write_json  # noqa: E402
 
 from mugrpo_megatron.config import load_config  # noqa: E402
 from mugrpo_megatron.engines import make_engine  # noqa: E402
+from mugrpo_megatron.engines.sync import push_weights  # noqa: E402
 from mugrpo_megatron.learner.export import iter_hf_tensors  # noqa: E402
 from mugrpo_megatron.learner.learner import Learner  # noqa: E402
 from mugrpo_megatron.rollout import Sample, to_batch  # noqa: E402
@@ -77,11 +78,8 @@ def main() -> None:
             reshard_s.append(time.perf_counter() - t0)
             dist.barrier()
             t0 = time.perf_counter()
-            stream = iter_hf_tensors(learner.chunks(), learner.spec)
-            if rank0:
-                engine.update_weights(stream)
-            for _ in stream:
-                pass
+            _, error = push_weights(engine, iter_hf_tensors(learner.chunks(), learner.spec))
+            assert not error, error
             sync_s.append(time.perf_counter() - t0)
             src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
             dst = torch.empty_like(src)

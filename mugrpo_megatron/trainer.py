@@ -16,6 +16,7 @@ import torch.distributed as dist
 from mugrpo_megatron.config import Config, dump_yaml, to_dict
 from mugrpo_megatron.data import load_prompts
 from mugrpo_megatron.engines import SamplingSpec, make_engine
+from mugrpo_megatron.engines.sync import push_weights
 from mugrpo_megatron.evaluation import evaluate
 from mugrpo_megatron.learner.checkpoint import latest_checkpoint, load_learner, prune, save_learner
 from mugrpo_megatron.learner.export import iter_hf_tensors
@@ -132,18 +133,9 @@ class Trainer:
         t0 = time.perf_counter()
         stream = iter_hf_tensors(self.learner.chunks(), self.learner.spec,
                                  bucket_bytes=self.cfg.rollout.weight_bucket_mb << 20)
-        error = None
-        if self.rank0:
-            try:
-                self.engine.update_weights(stream)
-            except Exception as e:  # noqa: BLE001 - reported on every rank below
-                error = f"{type(e).__name__}: {e}"
-        for _ in stream:  # the other ranks (and rank 0 after a failure) finish the collectives
-            pass
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        if box[0]:
-            raise RunFailed(f"weight sync into the engine failed: {box[0]}. Nothing of the learner "
+        _, error = push_weights(self.engine, stream)
+        if error:
+            raise RunFailed(f"weight sync into the engine failed: {error}. Nothing of the learner "
                             f"was lost; resume from {self.ckpt_dir} by running again.")
         return time.perf_counter() - t0
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mugrpo_megatron.config import load_config
 from mugrpo_megatron.engines import SamplingSpec, make_engine
+from mugrpo_megatron.engines.sync import push_weights
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.rollout import Sample, logprob_gap, to_batch
@@ -55,18 +56,10 @@ def main() -> None:
         stream = iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=bucket)
         if how:
             stream = corrupt(stream, how, learner.spec)
-        err = None
-        if rank0:
-            try:
-                stats = engine.update_weights(stream)
-                result["sync"].append({"tensors": stats.num_tensors, "bytes": stats.num_bytes})
-            except Exception as e:  # a wrong shape may be refused at load: that counts as caught
-                err = f"{type(e).__name__}: {e}"[:300]
-        for _ in stream:  # the other ranks (and rank 0 after a refusal) take part in every collective
-            pass
-        box = [err]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        stats, err = push_weights(engine, stream)
+        if stats is not None:
+            result["sync"].append({"tensors": stats.num_tensors, "bytes": stats.num_bytes})
+        return err or None
 
     def sample_and_score(label, greedy=False):
         spec = SamplingSpec(n=1 if greedy else 2, max_new_tokens=12,
