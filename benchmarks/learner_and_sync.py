@@ -4,7 +4,10 @@ For each model size: tokens/s of a train step, the time to reshard the learner's
 HF tensors (gather only), the time of a full sync into vLLM (reshard + engine load), and a plain
 memory copy of the same bytes measured in the same run; medians of --repeats.
 
-    torchrun --nproc_per_node 2 benchmarks/learner_and_sync.py --tp 2 --out results/tp2.json
+    torchrun --nproc_per_node 2 benchmarks/learner_and_sync.py --tp 2 --sizes h512 --out r.json
+
+One model size per process: vLLM's shutdown tears down process-group state that a second
+learner in the same process would need.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--sizes", default="h256,h512,h1024")
+    ap.add_argument("--sizes", default="h512", help=f"comma-separated, of {', '.join(SIZES)}")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", required=True)
@@ -98,16 +101,14 @@ def main() -> None:
         rows.append([name, f"{res['params'] / 1e6:.1f}M", f"{nbytes / 1e6:.0f}MB",
                      res["tokens_per_s"], res["reshard_gb_s"], res["sync_gb_s"], res["memcpy_gb_s"],
                      res["sync_gb_s"] / res["memcpy_gb_s"]])
-        if rank0:
-            engine.shutdown()
-        del learner
     if dist.get_rank() == 0:
         print(f"layout TP{args.tp} PP{args.pp} (world {dist.get_world_size()})")
         print(table(["model", "params", "fp32 bytes", "train tok/s", "reshard GB/s", "sync GB/s",
                      "memcpy GB/s", "sync/memcpy"], rows))
         write_json(args.out, {"layout": {"tp": args.tp, "pp": args.pp}, "results": results})
     dist.barrier()
-    dist.destroy_process_group()
+    if engine is not None:
+        engine.shutdown()
 
 
 if __name__ == "__main__":

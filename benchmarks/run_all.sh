@@ -6,8 +6,10 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 cd "$ROOT"
 export PYTHONWARNINGS=ignore OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 TR=("$PY" -m torch.distributed.run --standalone)
-"${TR[@]}" --nproc_per_node 1 benchmarks/learner_and_sync.py --out benchmarks/results/sync_tp1.json
-"${TR[@]}" --nproc_per_node 2 benchmarks/learner_and_sync.py --tp 2 --out benchmarks/results/sync_tp2.json
-"${TR[@]}" --nproc_per_node 2 benchmarks/learner_and_sync.py --pp 2 --out benchmarks/results/sync_pp2.json
+for size in h256 h512 h1024; do
+  "${TR[@]}" --nproc_per_node 1 benchmarks/learner_and_sync.py --sizes $size --out benchmarks/results/sync_tp1_$size.json
+  "${TR[@]}" --nproc_per_node 2 benchmarks/learner_and_sync.py --sizes $size --tp 2 --out benchmarks/results/sync_tp2_$size.json
+  "${TR[@]}" --nproc_per_node 2 benchmarks/learner_and_sync.py --sizes $size --pp 2 --out benchmarks/results/sync_pp2_$size.json
+done
 "$PY" benchmarks/engine_overhead.py
 "$PY" benchmarks/grpo_vs_mugrpo.py

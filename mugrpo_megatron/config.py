@@ -325,7 +325,7 @@ class CheckpointConfig(_Section):
     load_from: str | None = None
     """A Megatron checkpoint to start from instead of model.path's HF weights."""
     export_hf: bool = True
-    """Export the final policy as a Hugging Face checkpoint into the run directory."""
+    """Export the final policy as a Hugging Face checkpoint to run_dir/hf at the end of the run."""
 
     def __post_init__(self) -> None:
         self._non_negative("save_every_updates")
@@ -338,8 +338,6 @@ class LoggingConfig(_Section):
 
     run_dir: str = "runs/default"
     """Directory for rollouts, checkpoints, metrics.jsonl, TensorBoard events, report and plots."""
-    log_every: int = 1
-    """Print update metrics every this many updates (all are written to metrics.jsonl)."""
     tensorboard: bool = True
     """Write TensorBoard events to run_dir/tensorboard."""
     wandb: bool = False
@@ -352,7 +350,6 @@ class LoggingConfig(_Section):
     def __post_init__(self) -> None:
         if not self.run_dir:
             self._fail("run_dir", "must be a directory path")
-        self._positive("log_every")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from mugrpo_megatron.engines import SamplingSpec, make_engine
 from mugrpo_megatron.engines.sync import push_weights
 from mugrpo_megatron.evaluation import evaluate
 from mugrpo_megatron.learner.checkpoint import latest_checkpoint, load_learner, prune, save_learner
-from mugrpo_megatron.learner.export import iter_hf_tensors
+from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.metrics import MetricsLogger
 from mugrpo_megatron.progress import Progress
@@ -104,6 +104,11 @@ class Trainer:
             self.optimize(phase, samples, times)
         self.sync_weights()
         self.evaluate("after")
+        if self.cfg.checkpoint.export_hf:
+            out = self.run_dir / "hf"
+            save_hf_checkpoint(iter_hf_tensors(self.learner.chunks(), self.learner.spec), out,
+                               self.cfg.model.path, write=self.rank0, dtype=self.cfg.model.dtype)
+            self.progress.note(f"final policy exported as a Hugging Face checkpoint: {out}")
         if self.rank0:
             from mugrpo_megatron.report import write_report
 

@@ -40,3 +40,12 @@ def test_reshard_into_vllm(tmp_path, model, layout, monkeypatch):
     names = 39 if model == "llama" else None
     if names:
         assert all(s["tensors"] == names for s in r["sync"])
+
+
+def test_tempered_sampling_matches_learner(tmp_path):
+    """At temperature T the engine reports log-probs of softmax(logits / T); so does the learner."""
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=4)
+    torchrun(1, WORKER, str(hf), str(tmp_path / "out"), "rollout.temperature=0.7")
+    gaps = json.loads((tmp_path / "out" / "result.json").read_text())["gaps"]
+    for label in ("initial", "after_step"):
+        assert gaps[label]["max"] < 1e-4, (label, gaps[label])

@@ -126,6 +126,7 @@ def test_two_phases_end_to_end_at_tp2(setup):
     assert (ref / "plots" / "training.png").stat().st_size > 10_000
     assert any((ref / "tensorboard").iterdir())
     assert (ref / "rollouts" / "phase_0002" / "final.parquet").exists()
+    assert (ref / "hf" / "model.safetensors.index.json").exists()  # checkpoint.export_hf
 
 
 def test_sigkill_mid_generation_then_resume(setup):

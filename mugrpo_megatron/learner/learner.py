@@ -32,7 +32,6 @@ from mugrpo_megatron.learner.model import (
     build_chunks,
     init_parallel,
     load_hf_weights,
-    transformer_config,
 )
 from mugrpo_megatron.objective import METRIC_WEIGHTS, policy_loss
 from mugrpo_megatron.types import TokenBatch, TrainBatch
@@ -88,20 +87,18 @@ class Learner:
         self.layout = init_parallel(cfg.parallel, cfg.algo.seed)
         chunks = build_chunks(self.spec, cfg.model, cfg.parallel)
         load_hf_weights(chunks, self.spec, hf_dir, self.layout.tp_rank, self.layout.tp_size)
-        self.config = transformer_config(self.spec, cfg.model, cfg.parallel)
+        self.config = chunks[0].config  # the TransformerConfig every chunk was built with
         dtype = DTYPES[cfg.model.dtype]
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=cfg.parallel.distributed_optimizer,
             check_for_nan_in_grad=False)
+        self.config.finalize_model_grads_func = finalize_model_grads
         with megatron_on_cpu():
             if dtype != torch.float32:
-                chunks = [Float16Module(chunks[0].config, c) for c in chunks]
-            self.model = [DistributedDataParallel(config=chunks[0].config if dtype == torch.float32
-                                                  else c.config, ddp_config=ddp_config, module=c)
-                          for c in chunks]
-            for m in self.model:
-                m.config.finalize_model_grads_func = finalize_model_grads
+                chunks = [Float16Module(self.config, c) for c in chunks]
+            self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config,
+                                                  module=c) for c in chunks]
             o = cfg.optim
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr,
@@ -118,7 +115,9 @@ class Learner:
             lr_decay_style=o.lr_schedule, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=total, wd_incr_style="constant")
         self.num_updates = 0
-        self.padded_vocab = self.spec.padded_vocab_size(self.layout.tp_size)
+        # The engine samples from softmax(logits / T) and reports those log-probs
+        # (processed_logprobs), so the learner's policy is the same tempered distribution.
+        self.temperature = cfg.rollout.temperature
 
     # ------------------------------------------------------------------ batches
 
@@ -168,7 +167,7 @@ class Learner:
 
     def token_logprobs(self, logits_bsv: torch.Tensor, labels_bs: torch.Tensor) -> torch.Tensor:
         """Per-token log-probs from this TP rank's vocabulary shard, without gathering the vocab."""
-        logits = logits_bsv.float()
+        logits = logits_bsv.float() / self.temperature
         vocab_local = logits.shape[-1]
         first = self.layout.tp_rank * vocab_local
         if first + vocab_local > self.spec.vocab_size:
@@ -181,7 +180,7 @@ class Learner:
     @torch.no_grad()
     def entropy(self, logits_bsv: torch.Tensor) -> torch.Tensor:
         """Per-position entropy of the next-token distribution, reduced over the TP group."""
-        logits = logits_bsv.float()
+        logits = logits_bsv.float() / self.temperature
         vocab_local = logits.shape[-1]
         first = self.layout.tp_rank * vocab_local
         cols = torch.arange(first, first + vocab_local, device=logits.device)

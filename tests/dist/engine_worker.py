@@ -63,7 +63,7 @@ def main() -> None:
 
     def sample_and_score(label, greedy=False):
         spec = SamplingSpec(n=1 if greedy else 2, max_new_tokens=12,
-                            temperature=0.0 if greedy else 1.0, seed=0)
+                            temperature=0.0 if greedy else cfg.rollout.temperature, seed=0)
         samples = []
         if rank0:
             for i, gens in enumerate(engine.generate(PROMPTS, spec)):
