@@ -27,11 +27,13 @@ from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec
 
 @contextlib.contextmanager
 def _private_world() -> Iterator[None]:
-    """Make an already-initialised torch.distributed world look like one rank to vLLM."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    """Make an already-initialised torch.distributed world look like one rank to vLLM, and keep
+    vLLM from destroying the learner's default process group when it shuts down."""
+    if not dist.is_initialized():
         yield
         return
     real = dist.get_world_size, dist.new_group, dist.destroy_process_group
+    shared = dist.get_world_size() > 1
 
     def world_size(group=None):
         return 1 if group is None else real[0](group)
@@ -44,8 +46,9 @@ def _private_world() -> Iterator[None]:
         if group is not None:  # the default group is the learner's, not vLLM's to destroy
             real[2](group)
 
-    dist.get_world_size, dist.new_group, dist.destroy_process_group = (
-        world_size, new_group, destroy_process_group)
+    dist.destroy_process_group = destroy_process_group
+    if shared:
+        dist.get_world_size, dist.new_group = world_size, new_group
     try:
         yield
     finally:
