@@ -73,9 +73,9 @@ class TokenBatch:
 class TrainBatch(TokenBatch):
     """A minibatch for one optimizer update."""
 
-    behav_logp: "torch.Tensor" = None  # type: ignore[assignment]
+    behav_logp: "torch.Tensor"
     """[B, S] float: the behaviour policy's log-prob of each response token (0 elsewhere)."""
-    advantages: "torch.Tensor" = None  # type: ignore[assignment]
+    advantages: "torch.Tensor"
     """[B] float: the response's group-normalised advantage."""
 
     def rows(self, index: "torch.Tensor | slice") -> "TrainBatch":

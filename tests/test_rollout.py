@@ -1,0 +1,50 @@
+"""Rollout data: batches for the learner, advantages, uniform groups, the parquet store."""
+
+import torch
+
+from mugrpo_megatron.rollout import Sample, logprob_gap, to_batch, uniform_groups, with_advantages
+from mugrpo_megatron.rollout_store import RolloutStore
+
+
+def samples():
+    out = []
+    for group, rewards in enumerate([(1.0, 0.0), (1.0, 1.0)]):
+        for j, r in enumerate(rewards):
+            out.append(Sample(phase=2, prompt_index=10 + group, group=group,
+                              prompt_ids=(5, 6, 7)[: 2 + group], response_ids=(8, 9, 10)[: 1 + j],
+                              behav_logprobs=(-0.5, -1.5, -2.5)[: 1 + j], finish_reason="stop",
+                              reward=r))
+    return out
+
+
+def test_to_batch_layout():
+    b = to_batch(with_advantages(samples(), 2, 1e-6), pad_id=0, multiple_of=4)
+    assert b.tokens.shape == (4, 8)  # longest row 3 + 2 = 5, rounded up to 8
+    assert b.tokens[1].tolist() == [5, 6, 8, 9, 0, 0, 0, 0]
+    assert b.response_mask[1].tolist() == [False, False, True, True] + [False] * 4
+    assert b.behav_logp[1, 2:4].tolist() == [-0.5, -1.5]
+    assert b.advantages.tolist()[2:] == [0.0, 0.0]  # uniform group
+    assert b.advantages[0] > 0 > b.advantages[1]
+
+
+def test_uniform_groups_and_gap():
+    s = samples()
+    assert uniform_groups(s, 2) == {1}
+    b = to_batch(s)
+    gap = logprob_gap(b.behav_logp + 0.25 * b.response_mask, b)
+    assert gap.mean == gap.max == 0.25 and gap.num_tokens == int(b.response_mask.sum())
+
+
+def test_store_round_trip(tmp_path):
+    store = RolloutStore(tmp_path)
+    s = with_advantages(samples(), 2, 1e-6)
+    store.write_part(2, 0, s[:2])
+    store.write_part(2, 1, s[2:])
+    assert store.final(2) is None
+    store.write_final(2, s)
+    assert store.parts(2) == {0: s[:2], 1: s[2:]}
+    back = store.final(2)
+    assert [x.prompt_ids for x in back] == [x.prompt_ids for x in s]
+    assert [x.advantage for x in back] == [x.advantage for x in s]
+    assert torch.tensor(back[1].behav_logprobs).tolist() == [-0.5, -1.5]
+    assert not list(tmp_path.rglob("*.tmp"))
