@@ -105,3 +105,10 @@ def test_scorer_kills_hung_reward_and_reports_errors():
     assert "reward is nan" in out.errors[1]
     with pytest.raises(ValueError, match="3 completions but 2 answers"):
         RewardScorer(RewardConfig(num_workers=1)).score(["a", "b", "c"], ["a", "b"])
+
+
+def test_example_reward_plugs_in_by_dotted_path():
+    cfg = RewardConfig(name="examples.exact_match_reward:exact_last_line", timeout_s=10.0,
+                       num_workers=1)
+    with RewardScorer(cfg) as scorer:
+        assert scorer.score(["work\n42", "42\nmore"], ["42", "42"]).rewards == [1.0, 0.0]
