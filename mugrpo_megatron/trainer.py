@@ -289,6 +289,7 @@ class Trainer:
             "phase": phase.index, "first_update": phase.first_update, "reward_mean": mean,
             "reward_std": (sum((x - mean) ** 2 for x in rewards) / n) ** 0.5,
             "num_samples": n, "num_train_samples": len(train),
+            "epochs": self.schedule.epochs_per_phase(len(train)) if train else 0.0,
             "uniform_groups": len(uniform), "uniform_group_frac": len(uniform) * self.cfg.rollout.group_size / n,
             "response_len": sum(len(s.response_ids) for s in samples) / n,
             "truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,

@@ -65,9 +65,6 @@ class TokenBatch:
     def size(self) -> int:
         return int(self.tokens.shape[0])
 
-    def rows(self, index: "torch.Tensor | slice") -> "TokenBatch":
-        return TokenBatch(self.tokens[index], self.response_mask[index])
-
 
 @dataclass
 class TrainBatch(TokenBatch):
@@ -77,7 +74,3 @@ class TrainBatch(TokenBatch):
     """[B, S] float: the behaviour policy's log-prob of each response token (0 elsewhere)."""
     advantages: "torch.Tensor"
     """[B] float: the response's group-normalised advantage."""
-
-    def rows(self, index: "torch.Tensor | slice") -> "TrainBatch":
-        return TrainBatch(self.tokens[index], self.response_mask[index], self.behav_logp[index],
-                          self.advantages[index])
