@@ -118,7 +118,7 @@ class Trainer:
     def rollout(self, phase: Phase, times: PhaseTimes) -> list[Sample]:
         """The phase's scored samples with advantages: from disk if this phase already generated."""
         samples = self.store.final(phase.index) if self.rank0 else None
-        if self._all_ranks(samples is None):
+        if self._from_rank0(samples is None):
             t0 = time.perf_counter()
             if self.rank0:
                 self.engine.wake()
@@ -129,9 +129,7 @@ class Trainer:
             if self.rank0:
                 self.engine.sleep()
             times.switch += time.perf_counter() - t0
-        box = [samples]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return self._from_rank0(samples)
 
     def sync_weights(self) -> float:
         """Stream the learner's weights into the engine (collective); returns the seconds taken."""
@@ -271,10 +269,11 @@ class Trainer:
 
     # ---------------------------------------------------------------- helpers
 
-    def _all_ranks(self, flag: bool) -> bool:
-        box = [flag]
+    def _from_rank0(self, obj):
+        """Rank 0's ``obj`` on every rank (what it generated, or a decision it took)."""
+        box = [obj]
         dist.broadcast_object_list(box, src=0)
-        return bool(box[0])
+        return box[0]
 
     def _log_update(self, update: int, values: dict) -> None:
         self.log.log("update", update, values)

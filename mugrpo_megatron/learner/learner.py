@@ -165,14 +165,20 @@ class Learner:
 
     # ------------------------------------------------------------------ log-probs
 
-    def token_logprobs(self, logits_bsv: torch.Tensor, labels_bs: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs from this TP rank's vocabulary shard, without gathering the vocab."""
+    def _policy_logits(self, logits_bsv: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of this TP rank's vocabulary shard as the engine samples them: divided by
+        the temperature, and the padded vocabulary entries masked out of the softmax."""
         logits = logits_bsv.float() / self.temperature
         vocab_local = logits.shape[-1]
         first = self.layout.tp_rank * vocab_local
         if first + vocab_local > self.spec.vocab_size:
             cols = torch.arange(first, first + vocab_local, device=logits.device)
             logits = logits.masked_fill(cols >= self.spec.vocab_size, _PAD_LOGIT)
+        return logits
+
+    def token_logprobs(self, logits_bsv: torch.Tensor, labels_bs: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs from this TP rank's vocabulary shard, without gathering the vocab."""
+        logits = self._policy_logits(logits_bsv)
         nll_sb = tensor_parallel.vocab_parallel_cross_entropy(
             logits.transpose(0, 1).contiguous(), labels_bs.transpose(0, 1).contiguous())
         return -nll_sb.transpose(0, 1)
@@ -180,11 +186,7 @@ class Learner:
     @torch.no_grad()
     def entropy(self, logits_bsv: torch.Tensor) -> torch.Tensor:
         """Per-position entropy of the next-token distribution, reduced over the TP group."""
-        logits = logits_bsv.float() / self.temperature
-        vocab_local = logits.shape[-1]
-        first = self.layout.tp_rank * vocab_local
-        cols = torch.arange(first, first + vocab_local, device=logits.device)
-        logits = logits.masked_fill(cols >= self.spec.vocab_size, _PAD_LOGIT)
+        logits = self._policy_logits(logits_bsv)
         group = mpu.get_tensor_model_parallel_group()
         m = logits.amax(dim=-1)
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
