@@ -83,9 +83,16 @@ class ParallelConfig(_Section):
     """Shard optimizer state and fp32 master weights over data-parallel ranks (ZeRO-1)."""
     micro_batch_size: int = 1
     """Responses per microbatch on each data-parallel rank."""
+    timeout_minutes: int = 180
+    """Collective timeout. While rank 0 generates a phase, the other ranks wait in a collective,
+    so this must exceed the longest generation stage (and evaluation) of the run."""
+    offload_learner: Literal["auto", "always", "never"] = "auto"
+    """Move the learner's weights, gradients and optimizer state to host memory while the engine
+    generates (and evaluates), and back before the next update. 'auto': on when the learner is on
+    a GPU; 'always' also on CPU (useful only to test it)."""
 
     def __post_init__(self) -> None:
-        self._positive("tensor", "pipeline", "expert", "micro_batch_size")
+        self._positive("tensor", "pipeline", "expert", "micro_batch_size", "timeout_minutes")
         if self.virtual_pipeline is not None:
             if self.virtual_pipeline < 2:
                 self._fail("virtual_pipeline", "must be >= 2 or null")

@@ -15,7 +15,9 @@ The estimate is arithmetic on the architecture (from the checkpoint's ``config.j
 - engine: the policy's weights at the engine's TP size (bf16) and the KV cache that the engine's
   memory fraction leaves, with the number of tokens that cache holds.
 
-The learner stays resident while the engine generates, so both must fit together.
+With ``parallel.offload_learner`` 'auto' (the default: on, on GPUs) or 'always', the learner's
+memory goes to the host while the engine starts and generates, and the engine sleeps while the
+learner trains, so the peak is the larger of the two; with 'never' both must fit together.
 """
 
 from __future__ import annotations
@@ -76,9 +78,15 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
         "params": params_b, "grads": grads_b, "optimizer": optim_b, "activations": act,
         "logits": logits, "learner": learner, "engine_weights": engine_weights, "kv_cache": kv,
         "kv_tokens": kv / kv_per_token, "engine": max(engine_budget, engine_weights),
-        "peak": learner + max(engine_budget, engine_weights),
+        "offloaded": cfg.parallel.offload_learner != "never",
+        "peak": (max if cfg.parallel.offload_learner != "never" else _sum)(
+            learner, max(engine_budget, engine_weights)),
         "microbatches_in_flight": in_flight, "seq_len": s,
     }
+
+
+def _sum(a: float, b: float) -> float:
+    return a + b
 
 
 def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
@@ -110,12 +118,15 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"  learner total   {g(e['learner'])}",
         f"  engine weights  {g(e['engine_weights'])}",
         f"  engine KV cache {g(e['kv_cache'])}  ({e['kv_tokens']:,.0f} tokens)",
-        f"  peak            {g(e['peak'])}  of {gpu_gib:.0f} GiB",
+        f"  peak            {g(e['peak'])}  of {gpu_gib:.0f} GiB ("
+        + ("learner offloaded while the engine generates: the larger of the two)"
+           if e["offloaded"] else "learner resident while the engine generates: both)"),
     ]
     if e["peak"] > gpu_gib * GIB:
         raise ValueError("\n".join(lines) + f"\nthe estimate ({e['peak'] / GIB:.1f} GiB) does not fit "
                          f"{gpu_gib:.0f} GiB per GPU: raise parallel.tensor/pipeline, enable "
-                         f"recompute or the distributed optimizer, or lower "
+                         f"recompute, the distributed optimizer or parallel.offload_learner, or "
+                         f"lower "
                          f"rollout.gpu_memory_utilization")
     if e["kv_tokens"] < r.max_new_tokens + cfg.data.max_prompt_tokens:
         raise ValueError("\n".join(lines) + "\nthe engine's KV cache cannot hold one sequence: raise "

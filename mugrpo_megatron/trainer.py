@@ -8,9 +8,11 @@ to the other ranks.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from mugrpo_megatron.config import Config, dump_yaml, to_dict
@@ -38,7 +40,7 @@ class PhaseTimes:
     sync: float = 0.0
     """Resharding the learner's weights into the engine."""
     switch: float = 0.0
-    """Engine sleep/wake (learner offload/onload where supported)."""
+    """Engine sleep/wake and learner offload/onload."""
     generate: float = 0.0
     score: float = 0.0
     optimize: float = 0.0
@@ -71,15 +73,21 @@ class Trainer:
         self.store = RolloutStore(self.run_dir)
         self.log = MetricsLogger(cfg.logging, self.run_dir, self.rank0, to_dict(cfg))
         self.progress = Progress(enabled=self.rank0 and cfg.logging.progress)
+        off = cfg.parallel.offload_learner
+        self.offload = off == "always" or (off == "auto" and torch.cuda.is_available())
         self.engine = self.scorer = None
         if self.rank0:
             self.progress.note(f"data: {report.summary()}; held out: {len(self.eval_prompts)}")
             self.scorer = RewardScorer(cfg.reward)
-            self.engine = make_engine(
+        # the engine sizes its memory from what is free when it starts: the learner steps aside
+        with self.learner_offloaded():
+            self.engine = None if not self.rank0 else make_engine(
                 cfg.rollout, cfg.model.path, dtype=cfg.model.dtype,
                 max_model_len=min(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
                                   self.learner.spec.max_position_embeddings),
                 trust_remote_code=cfg.model.trust_remote_code)
+            if self.rank0:  # awake only to generate (and take weights): not while the learner trains
+                self.engine.sleep()
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.start_update = 0
         ckpt = latest_checkpoint(self.ckpt_dir) if cfg.checkpoint.resume else None
@@ -124,16 +132,37 @@ class Trainer:
                 self.engine.wake()
             times.switch += time.perf_counter() - t0
             times.sync = self.sync_weights()
-            samples = self.generate(phase, times) if self.rank0 else None
-            t0 = time.perf_counter()
-            if self.rank0:
-                self.engine.sleep()
-            times.switch += time.perf_counter() - t0
-        return self._from_rank0(samples)
+            with self.learner_offloaded(times):
+                samples = self.generate(phase, times) if self.rank0 else None
+                t0 = time.perf_counter()
+                if self.rank0:
+                    self.engine.sleep()
+                times.switch += time.perf_counter() - t0
+                samples = self._from_rank0(samples)
+        return samples
+
+    @contextmanager
+    def learner_offloaded(self, times: PhaseTimes | None = None):
+        """The learner's weights and optimizer state in host memory while the engine works
+        (``parallel.offload_learner``); back on the device, bit for bit, afterwards."""
+        if not self.offload:
+            yield
+            return
+        out = self.learner.offload()
+        try:
+            yield
+        finally:
+            back = self.learner.onload()
+            if times is not None:
+                times.switch += out.seconds + back.seconds
+                times.extra.update(offload_seconds=out.seconds, onload_seconds=back.seconds,
+                                   offload_gib=out.bytes_freed / 2**30)
 
     def sync_weights(self) -> float:
         """Stream the learner's weights into the engine (collective); returns the seconds taken."""
         t0 = time.perf_counter()
+        if self.rank0:
+            self.engine.wake()  # a sleeping engine has no weights to update
         stream = iter_hf_tensors(self.learner.chunks(), self.learner.spec,
                                  bucket_bytes=self.cfg.rollout.weight_bucket_mb << 20)
         _, error = push_weights(self.engine, stream)
@@ -252,11 +281,16 @@ class Trainer:
         self.start_update = update
 
     def evaluate(self, label: str) -> None:
-        if not self.rank0 or not self.eval_prompts:
+        if not self.eval_prompts:
             return
         r = self.cfg.rollout
-        res = evaluate(self.engine, self.scorer, self.tokenizer, self.eval_prompts,
-                       k=r.eval_samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature)
+        with self.learner_offloaded():
+            res = evaluate(self.engine, self.scorer, self.tokenizer, self.eval_prompts,
+                           k=r.eval_samples, max_new_tokens=r.max_new_tokens,
+                           temperature=r.temperature) if self.rank0 else None
+            dist.barrier()
+        if not self.rank0:
+            return
         self.log.log("eval", self.learner.num_updates, {"label": label, **res.as_dict()})
         self.progress.note(f"held-out ({label}): mean@{res.k} {res.mean_at_k:.3f}, "
                            f"pass@{res.k} {res.pass_at_k:.3f} on {res.num_prompts} prompts")

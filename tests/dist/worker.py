@@ -6,9 +6,11 @@ BATCH is a safetensors file with tokens, response_mask, behav_logp, advantages a
 copy of behav_logp with a NaN, whose step must be skipped). OUT gets tensors.safetensors (log-probs
 and entropy before the updates, log-probs after, logits at TP1), weights.safetensors and
 grads.safetensors (HF-named, after the first update) and result.json (the step results).
+With TEST_OFFLOAD=1 the learner is offloaded to the host and back before the last update.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -58,6 +60,14 @@ def main() -> None:
     after = hf_state(learner)
     untouched = all(torch.equal(before[k], after[k]) for k in before) and \
         checksum == optimizer_checksum(learner)
+    offload = {}
+    if os.environ.get("TEST_OFFLOAD"):
+        before_bytes = learner.resident_bytes()
+        out_stats = learner.offload()
+        offload = {"resident_before": before_bytes, "resident_offloaded": learner.resident_bytes(),
+                   "freed": out_stats.bytes_freed, "copied": out_stats.bytes_copied}
+        in_stats = learner.onload()
+        offload.update(resident_after=learner.resident_bytes(), restored=in_stats.bytes_freed)
     steps.append(learner.train_step(batch))
     tensors["logp1"], _ = learner.logprobs(TokenBatch(batch.tokens, batch.response_mask))
     weights = hf_state(learner)
@@ -68,7 +78,7 @@ def main() -> None:
         save_file(grads, str(out / "grads.safetensors"))
         (out / "result.json").write_text(json.dumps({
             "skipped_step_left_state_untouched": untouched,
-            "num_updates": learner.num_updates,
+            "num_updates": learner.num_updates, "offload": offload,
             "steps": [{"loss": s.loss, "grad_norm": s.grad_norm, "skipped": s.skipped,
                        "reason": s.reason, "lr": s.lr, "metrics": s.metrics} for s in steps]}))
     torch.distributed.destroy_process_group()
