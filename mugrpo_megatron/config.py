@@ -119,8 +119,9 @@ class ParallelConfig(_Section):
 class RolloutConfig(_Section):
     _name: ClassVar[str] = "rollout"
 
-    engine: Literal["vllm"] = "vllm"
-    """Rollout engine; imported only when chosen (SGLang is planned, not in this version)."""
+    engine: Literal["vllm", "sglang"] = "vllm"
+    """Rollout engine, imported only when chosen. SGLang needs an environment of its own (it pins
+    its own torch): scripts/setup_sglang_env.sh."""
     tensor_parallel: int = 1
     """Tensor-parallel size of each engine replica (independent of the learner's layout)."""
     group_size: int = 8

@@ -138,8 +138,7 @@ class Trainer:
                 if self.rank0:
                     self.engine.sleep()
                 times.switch += time.perf_counter() - t0
-                samples = self._from_rank0(samples)
-        return samples
+        return self._from_rank0(samples)
 
     @contextmanager
     def learner_offloaded(self, times: PhaseTimes | None = None):

@@ -18,4 +18,9 @@ def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_mo
 
         return VLLMEngine(cfg, model_dir, dtype=dtype, max_model_len=max_model_len,
                           trust_remote_code=trust_remote_code)
+    if cfg.engine == "sglang":
+        from mugrpo_megatron.engines.sglang_engine import SGLangEngine
+
+        return SGLangEngine(cfg, model_dir, dtype=dtype, max_model_len=max_model_len,
+                            trust_remote_code=trust_remote_code)
     raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}")
