@@ -30,6 +30,8 @@ LAYOUTS = {
     "dp2_distopt": (2, ["parallel.distributed_optimizer=true"]),
     "pp2_vpp2_mb1": (2, ["parallel.pipeline=2", "parallel.virtual_pipeline=2",
                          "parallel.micro_batch_size=1"]),
+    "tp2_sp": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    "tp2pp2_sp": (4, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"]),
 }
 FULL = {"llama", "qwen2"}  # every layout; the other families at TP2 and PP2
 
@@ -101,7 +103,8 @@ def test_layout_matches_tp1(workdir, family, layout):
     ref = run(workdir, family, "tp1", 1, [])
     nproc, overrides = LAYOUTS[layout]
     got = run(workdir, family, layout, nproc, overrides)
-    for key in ("logp0", "entropy", "logp1"):
+    assert (got["tensors"]["logp_odd"] - got["tensors"]["logp1"][:, :-1]).abs().max() < 1e-5
+    for key in ("logp0", "entropy", "logp1", "logp_odd"):
         diff = (got["tensors"][key] - ref["tensors"][key]).abs().max()
         assert diff < 1e-5, f"{key}: {diff}"
     for mine, theirs in zip(got["steps"], ref["steps"]):

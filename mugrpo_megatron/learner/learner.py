@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -123,6 +123,17 @@ class Learner:
 
     # ------------------------------------------------------------------ batches
 
+    def _fit_sequence(self, batch: TokenBatch) -> TokenBatch:
+        """With sequence parallel each TP rank holds a slice of the sequence: right-pad it to a
+        multiple of TP (the padding is not a response token, so no loss or log-prob sees it)."""
+        tp, seq = self.layout.tp_size, batch.tokens.shape[1]
+        if not self.config.sequence_parallel or seq % tp == 0:
+            return batch
+        pad = partial(torch.nn.functional.pad, pad=(0, tp - seq % tp))
+        extra = {"behav_logp": pad(batch.behav_logp)} if isinstance(batch, TrainBatch) else {}
+        return replace(batch, tokens=pad(batch.tokens), response_mask=pad(batch.response_mask),
+                       **extra)
+
     def _microbatches(self, batch: TokenBatch, train: bool) -> list[_MicroBatch]:
         mbs = self.cfg.parallel.micro_batch_size
         dp, dp_rank = self.layout.dp_size, self.layout.dp_rank
@@ -205,6 +216,8 @@ class Learner:
         """Log-prob of every token given its prefix, ``[B, S]`` aligned with ``batch.tokens``
         (0 at position 0), on every rank; with ``with_entropy``, the entropy of the distribution
         each token was drawn from."""
+        seq = batch.tokens.shape[1]
+        batch = self._fit_sequence(batch)
         microbatches = self._microbatches(batch, train=False)
 
         def loss_fn(mb: _MicroBatch, output: torch.Tensor):
@@ -219,8 +232,8 @@ class Learner:
         results = self._run(microbatches, loss_fn, forward_only=True)
         for m in self.model:
             m.train()
-        logp = self._gather_rows(results, "logp", batch)
-        ent = self._gather_rows(results, "entropy", batch) if with_entropy else None
+        logp = self._gather_rows(results, "logp", batch)[:, :seq].contiguous()
+        ent = self._gather_rows(results, "entropy", batch)[:, :seq].contiguous() if with_entropy else None
         return logp, ent
 
     def _gather_rows(self, results: list[dict], key: str, batch: TokenBatch) -> torch.Tensor:
@@ -239,6 +252,7 @@ class Learner:
         """One optimizer update over ``batch`` (the whole minibatch, the same on every rank)."""
         t0 = time.perf_counter()
         a = self.cfg.algo
+        batch = self._fit_sequence(batch)
         microbatches = self._microbatches(batch, train=True)
         # The global count of response tokens (next-aligned, before the veto): every microbatch's
         # loss is divided by it, so the update does not depend on the layout or the split.

@@ -20,6 +20,11 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from safetensors import safe_open
 
 from mugrpo_megatron.config import ModelConfig, ParallelConfig
@@ -120,8 +125,28 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
     return TransformerConfig(**kw)
 
 
-def layer_spec(spec: ModelSpec, model: ModelConfig):
-    """Transformer Engine's layer spec where TE and a GPU are present, megatron's local one else."""
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for megatron's local (non-TE) spec, usable with sequence parallel.
+
+    megatron-core's ``WrappedTorchNorm`` refuses sequence parallel outright. The norm itself needs
+    nothing for it (each TP rank normalises its own slice of the sequence); what it needs is that
+    its weight's gradient, which is then a partial sum over that slice, is all-reduced over the TP
+    group: ``finalize_model_grads`` does that for parameters tagged ``sequence_parallel``, as
+    Transformer Engine's norms are. This class is that tag, written here because no library norm
+    for megatron's local spec carries it.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | None = None,
+               vp_stage: int | None = None):
+    """Transformer Engine's layer spec where TE and a GPU are present, megatron's local one else.
+
+    With sequence parallel on the local spec, the whole block's spec (this stage's layers and the
+    final norm) with ``SequenceParallelRMSNorm`` in place of megatron's torch norms."""
     if torch.cuda.is_available():
         try:
             from megatron.core.models.gpt.gpt_layer_specs import (
@@ -134,7 +159,14 @@ def layer_spec(spec: ModelSpec, model: ModelConfig):
             if model.fp8_format is not None:
                 raise ValueError("model.fp8_format: FP8 needs Transformer Engine, which is not "
                                  "importable here") from None
-    return get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    local = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    if config is None or not config.sequence_parallel:
+        return local
+    norm = ModuleSpec(module=SequenceParallelRMSNorm)
+    local.submodules.input_layernorm = norm
+    local.submodules.pre_mlp_layernorm = norm
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[local] * layers, layer_norm=norm)
 
 
 def build_chunks(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -> list[GPTModel]:
@@ -144,9 +176,6 @@ def build_chunks(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) 
     if spec.num_layers % stages:
         raise ValueError(f"parallel.pipeline x virtual_pipeline = {stages} does not divide the "
                          f"{spec.num_layers} layers of the model")
-    if parallel.sequence_parallel and not torch.cuda.is_available():
-        raise ValueError("parallel.sequence_parallel: needs Transformer Engine's norms on a GPU; "
-                         "megatron's torch norms refuse it")
     config = transformer_config(spec, model, parallel)
     chunks = []
     vp = parallel.virtual_pipeline
@@ -154,7 +183,7 @@ def build_chunks(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) 
         for vp_stage in range(vp or 1):
             stage = vp_stage if vp else None
             chunk = GPTModel(
-                config=config, transformer_layer_spec=layer_spec(spec, model),
+                config=config, transformer_layer_spec=layer_spec(spec, model, config, stage),
                 vocab_size=spec.padded_vocab_size(parallel.tensor),
                 pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),

@@ -70,6 +70,9 @@ def main() -> None:
         offload.update(resident_after=learner.resident_bytes(), restored=in_stats.bytes_freed)
     steps.append(learner.train_step(batch))
     tensors["logp1"], _ = learner.logprobs(TokenBatch(batch.tokens, batch.response_mask))
+    # an odd length (sequence parallel pads it to a multiple of TP and crops the answer)
+    tensors["logp_odd"], _ = learner.logprobs(TokenBatch(batch.tokens[:, :-1],
+                                                         batch.response_mask[:, :-1]))
     weights = hf_state(learner)
     if torch.distributed.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)

