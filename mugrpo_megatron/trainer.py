@@ -88,6 +88,8 @@ class Trainer:
                 trust_remote_code=cfg.model.trust_remote_code)
             if self.rank0:  # awake only to generate (and take weights): not while the learner trains
                 self.engine.sleep()
+        # the learner update whose weights the engine holds (None: the checkpoint it started from)
+        self._engine_has: int | None = None
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.start_update = 0
         ckpt = latest_checkpoint(self.ckpt_dir) if cfg.checkpoint.resume else None
@@ -158,7 +160,10 @@ class Trainer:
                                    offload_gib=out.bytes_freed / 2**30)
 
     def sync_weights(self) -> float:
-        """Stream the learner's weights into the engine (collective); returns the seconds taken."""
+        """Stream the learner's weights into the engine (collective); returns the seconds taken,
+        0 when the engine already holds the learner's current weights."""
+        if self._engine_has == self.learner.num_updates:
+            return 0.0
         t0 = time.perf_counter()
         if self.rank0:
             self.engine.wake()  # a sleeping engine has no weights to update
@@ -168,6 +173,7 @@ class Trainer:
         if error:
             raise RunFailed(f"weight sync into the engine failed: {error}. Nothing of the learner "
                             f"was lost; resume from {self.ckpt_dir} by running again.")
+        self._engine_has = self.learner.num_updates
         return time.perf_counter() - t0
 
     def generate(self, phase: Phase, times: PhaseTimes) -> list[Sample]:
