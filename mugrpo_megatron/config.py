@@ -83,6 +83,11 @@ class ParallelConfig(_Section):
     """Shard optimizer state and fp32 master weights over data-parallel ranks (ZeRO-1)."""
     micro_batch_size: int = 1
     """Responses per microbatch on each data-parallel rank."""
+    pack_tokens: int = 0
+    """Pack whole sequences (prompt + response) end to end into microbatch rows of this many
+    tokens, longest first, instead of padding each to the batch's longest; each microbatch is
+    then one such row and micro_batch_size is not used. 0 pads. Must hold the longest
+    prompt + response (a multiple of tensor with sequence parallel)."""
     timeout_minutes: int = 180
     """Collective timeout. While rank 0 generates a phase, the other ranks wait in a collective,
     so this must exceed the longest generation stage (and evaluation) of the run."""
@@ -100,6 +105,11 @@ class ParallelConfig(_Section):
                 self._fail("virtual_pipeline", "needs parallel.pipeline >= 2")
         if self.sequence_parallel and self.tensor == 1:
             self._fail("sequence_parallel", "needs parallel.tensor > 1")
+        if self.pack_tokens < 0:
+            self._fail("pack_tokens", "must be >= 0 (0: pad instead of packing)")
+        if self.pack_tokens and self.sequence_parallel and self.pack_tokens % self.tensor:
+            self._fail("pack_tokens", f"must be a multiple of parallel.tensor ({self.tensor}) "
+                                      f"with sequence parallel")
 
     def data_parallel(self, world_size: int) -> int:
         """The data-parallel size for ``world_size`` processes; ValueError if it does not divide."""

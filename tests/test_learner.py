@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import ROOT, load_run, make_batch, torchrun
+from mugrpo_megatron.learner.packing import sequence_lengths
 from mugrpo_megatron.objective import policy_loss
 from mugrpo_megatron.tiny import make_tiny_checkpoint
 
@@ -31,6 +32,11 @@ LAYOUTS = {
     "pp2_vpp2_mb1": (2, ["parallel.pipeline=2", "parallel.virtual_pipeline=2",
                          "parallel.micro_batch_size=1"]),
     "tp2_sp": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    # 8 sequences of up to 24 tokens packed into rows of 40: several rows, several per row
+    "packed": (1, ["parallel.pack_tokens=40"]),
+    "tp2pp2_sp_packed": (4, ["parallel.tensor=2", "parallel.pipeline=2",
+                             "parallel.sequence_parallel=true", "parallel.pack_tokens=40"]),
+    "dp2_distopt_packed": (2, ["parallel.distributed_optimizer=true", "parallel.pack_tokens=40"]),
     "tp2pp2_sp": (4, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"]),
 }
 FULL = {"llama", "qwen2"}  # every layout; the other families at TP2 and PP2
@@ -103,9 +109,18 @@ def test_layout_matches_tp1(workdir, family, layout):
     ref = run(workdir, family, "tp1", 1, [])
     nproc, overrides = LAYOUTS[layout]
     got = run(workdir, family, layout, nproc, overrides)
-    assert (got["tensors"]["logp_odd"] - got["tensors"]["logp1"][:, :-1]).abs().max() < 1e-5
+    tensors, ref_tensors = got["tensors"], ref["tensors"]
+    if "packed" in layout:  # packed rows end at each sequence's last response token
+        resp = load_file(str(workdir / "batch.safetensors"))["response_mask"].bool()
+        for key in ("logp0", "entropy", "logp1", "logp_odd"):
+            n = tensors[key].shape[1]
+            keep = (torch.arange(n) < torch.tensor(sequence_lengths(resp[:, :n]))[:, None])
+            assert tensors[key][~keep].abs().max() == 0, key
+            tensors = {**tensors, key: tensors[key] * keep}
+            ref_tensors = {**ref_tensors, key: ref_tensors[key] * keep}
+    assert (tensors["logp_odd"] - tensors["logp1"][:, :-1]).abs().max() < 1e-5
     for key in ("logp0", "entropy", "logp1", "logp_odd"):
-        diff = (got["tensors"][key] - ref["tensors"][key]).abs().max()
+        diff = (tensors[key] - ref_tensors[key]).abs().max()
         assert diff < 1e-5, f"{key}: {diff}"
     for mine, theirs in zip(got["steps"], ref["steps"]):
         assert mine["skipped"] == theirs["skipped"]

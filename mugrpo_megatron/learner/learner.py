@@ -21,6 +21,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
@@ -32,8 +33,10 @@ from mugrpo_megatron.learner.model import (
     build_chunks,
     init_parallel,
     load_hf_weights,
+    uses_transformer_engine,
 )
 from mugrpo_megatron.learner.offload import HostOffload, OffloadStats
+from mugrpo_megatron.learner.packing import PackedRow, pack_row, plan_bins, sequence_lengths
 from mugrpo_megatron.objective import METRIC_WEIGHTS, policy_loss
 from mugrpo_megatron.types import TokenBatch, TrainBatch
 
@@ -62,13 +65,19 @@ class StepResult:
 
 @dataclass
 class _MicroBatch:
-    rows: slice                 # rows of the full batch
-    tokens: torch.Tensor        # [b, S]
-    position_ids: torch.Tensor  # [b, S]
-    labels: torch.Tensor        # [b, S] next token (0 in the last column)
-    loss_mask: torch.Tensor     # [b, S] next token is a response token
-    behav_logp: torch.Tensor | None = None  # [b, S] next-aligned
+    """b sequences, padded ([b, S] inputs) or packed into one row ([1, T] inputs, ``packed``).
+
+    The per-sequence tensors are ``[b, L]`` and next-aligned (L = S padded, the longest sequence
+    packed): position j is about predicting token j + 1 of that sequence."""
+
+    rows: slice | torch.Tensor  # rows of the full batch
+    tokens: torch.Tensor        # [b, S] or [1, T]
+    position_ids: torch.Tensor  # like tokens
+    labels: torch.Tensor        # like tokens: the next token (0 at each sequence's end)
+    loss_mask: torch.Tensor     # [b, L] next token is a response token
+    behav_logp: torch.Tensor | None = None  # [b, L]
     advantages: torch.Tensor | None = None  # [b]
+    packed: PackedRow | None = None
 
 
 def _next_aligned(x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +129,12 @@ class Learner:
         # The engine samples from softmax(logits / T) and reports those log-probs
         # (processed_logprobs), so the learner's policy is the same tempered distribution.
         self.temperature = cfg.rollout.temperature
+        # packed rows: THD layout (cu_seqlens) through TE's attention, a block-diagonal causal
+        # mask through megatron's local attention (whose sliding window would replace the mask)
+        self._thd = uses_transformer_engine(cfg.model)
+        if cfg.parallel.pack_tokens and not self._thd and self.spec.sliding_window:
+            raise ValueError("parallel.pack_tokens: a sliding-window model packs only with "
+                             "Transformer Engine (THD); set parallel.pack_tokens: 0")
 
     # ------------------------------------------------------------------ batches
 
@@ -146,6 +161,9 @@ class Learner:
         labels = _next_aligned(batch.tokens)
         loss_mask = _next_aligned(batch.response_mask.bool())
         behav = _next_aligned(batch.behav_logp.float()) if train else None
+        if self.cfg.parallel.pack_tokens:
+            return self._packed_microbatches(batch, range(lo, lo + per_rank), labels, loss_mask,
+                                             behav, train)
         out = []
         for start in range(lo, lo + per_rank, mbs):
             rows = slice(start, min(start + mbs, lo + per_rank))
@@ -157,12 +175,41 @@ class Learner:
                 advantages=batch.advantages[rows].float() if train else None))
         return out
 
+    def _packed_microbatches(self, batch: TokenBatch, rows: range, labels, loss_mask, behav,
+                             train: bool) -> list[_MicroBatch]:
+        """This DP rank's rows packed into rows of ``parallel.pack_tokens`` tokens, one per
+        microbatch."""
+        capacity = self.cfg.parallel.pack_tokens
+        rows = list(rows)
+        lengths = sequence_lengths(batch.response_mask[rows])
+        out = []
+        for members in plan_bins(lengths, capacity):
+            idx = torch.tensor([rows[i] for i in members])
+            lens = [lengths[i] for i in members]
+            width = max(lens)
+            out.append(_MicroBatch(
+                rows=idx, packed=(p := pack_row(batch.tokens[idx], lens, capacity)),
+                tokens=p.tokens, position_ids=p.position_ids, labels=p.labels,
+                loss_mask=loss_mask[idx, :width] & p.valid,
+                behav_logp=behav[idx, :width] if behav is not None else None,
+                advantages=batch.advantages[idx].float() if train else None))
+        return out
+
     def _run(self, microbatches: list[_MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             device = _device()
+            extra = {"attention_mask": None}
+            if mb.packed is not None and self._thd:
+                cu = mb.packed.cu_seqlens(device)
+                longest = max(mb.packed.lengths + [mb.packed.capacity - sum(mb.packed.lengths)])
+                extra["packed_seq_params"] = PackedSeqParams(
+                    qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                    max_seqlen_q=longest, max_seqlen_kv=longest)
+            elif mb.packed is not None:
+                extra["attention_mask"] = mb.packed.attention_mask(device)
             output = model(input_ids=mb.tokens.to(device), position_ids=mb.position_ids.to(device),
-                           attention_mask=None)
+                           **extra)
             return output, partial(loss_fn, mb)
 
         n_chunks = len(self.model)
@@ -222,9 +269,10 @@ class Learner:
 
         def loss_fn(mb: _MicroBatch, output: torch.Tensor):
             labels = mb.labels.to(output.device)
-            out = {"logp": self.token_logprobs(output, labels).cpu(), "rows": mb.rows}
+            out = {"logp": _per_sequence(mb, self.token_logprobs(output, labels)).cpu(),
+                   "rows": mb.rows}
             if with_entropy:
-                out["entropy"] = self.entropy(output).cpu()
+                out["entropy"] = _per_sequence(mb, self.entropy(output)).cpu()
             return output.new_zeros(()), out
 
         for m in self.model:
@@ -241,7 +289,8 @@ class Learner:
         full = torch.zeros(batch.tokens.shape, dtype=torch.float32)
         if mpu.is_pipeline_last_stage(ignore_virtual=True) and self.layout.tp_rank == 0:
             for r in results:
-                full[r["rows"], 1:] = r[key][:, :-1]
+                width = r[key].shape[1]
+                full[r["rows"], 1:width] = r[key][:, :-1]
         full = full.to(_device())
         dist.all_reduce(full)
         return full.cpu()
@@ -263,7 +312,7 @@ class Learner:
 
         def loss_fn(mb: _MicroBatch, output: torch.Tensor):
             device = output.device
-            logp = self.token_logprobs(output, mb.labels.to(device))
+            logp = _per_sequence(mb, self.token_logprobs(output, mb.labels.to(device)))
             loss, metrics = policy_loss(
                 logp, mb.behav_logp.to(device), mb.advantages.to(device), mb.loss_mask.to(device),
                 clip_low=a.clip_low, clip_high=a.clip_high, veto_threshold=a.veto_threshold,
@@ -361,6 +410,11 @@ class Learner:
             inner = m.module
             out.append(inner.module if isinstance(inner, Float16Module) else inner)
         return out
+
+
+def _per_sequence(mb: _MicroBatch, values: torch.Tensor) -> torch.Tensor:
+    """Per-position values of the model's rows -> ``[b, L]`` per sequence (unpacked if packed)."""
+    return mb.packed.unpack_values(values) if mb.packed is not None else values
 
 
 def _device() -> torch.device:

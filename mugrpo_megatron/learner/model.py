@@ -125,6 +125,17 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
     return TransformerConfig(**kw)
 
 
+def uses_transformer_engine(model: ModelConfig) -> bool:
+    """Whether the learner runs Transformer Engine's layer spec: on a GPU where TE imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     """torch's RMSNorm for megatron's local (non-TE) spec, usable with sequence parallel.
 
@@ -147,18 +158,15 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | 
 
     With sequence parallel on the local spec, the whole block's spec (this stage's layers and the
     final norm) with ``SequenceParallelRMSNorm`` in place of megatron's torch norms."""
-    if torch.cuda.is_available():
-        try:
-            from megatron.core.models.gpt.gpt_layer_specs import (
-                get_gpt_layer_with_transformer_engine_spec,
-            )
-            import transformer_engine  # noqa: F401
+    if uses_transformer_engine(model):
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
 
-            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-        except ImportError:
-            if model.fp8_format is not None:
-                raise ValueError("model.fp8_format: FP8 needs Transformer Engine, which is not "
-                                 "importable here") from None
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    if model.fp8_format is not None and torch.cuda.is_available():
+        raise ValueError("model.fp8_format: FP8 needs Transformer Engine, which is not "
+                         "importable here")
     local = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     if config is None or not config.sequence_parallel:
         return local
