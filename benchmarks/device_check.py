@@ -16,6 +16,8 @@ runs at a tiny size so that the script is tested; its numbers mean nothing there
 3. offload: the learner's weights, gradient buffers and Adam state to host memory and back.
 4. reshard: the learner's shards streamed as full HF tensors (what a weight sync sends), against a
    device-to-host copy of the same bytes.
+   packing: packed rows (THD through TE on a GPU) against padded ones on responses of varied
+   lengths: log-prob difference and train-step speed-up.
 5. learner_fp8: section 2 with FP8 (Transformer Engine, 'hybrid' format, delayed scaling), when TE
    is importable.
 6. engine: vLLM when importable: start-up with the learner offloaded, weight sync from the
@@ -176,6 +178,44 @@ def reshard_section(state: dict, args) -> dict:
             "reshard_vs_copy": copy["median"] / reshard["median"]}
 
 
+def packing_section(state: dict, args) -> dict:
+    """Packed rows (THD through TE on a GPU, the masked path elsewhere) against padded ones on
+    responses of varied lengths: the log-prob difference and the train-step speed of each."""
+    from dataclasses import replace
+
+    from mugrpo_megatron.learner.packing import sequence_lengths
+    from mugrpo_megatron.rollout import Sample, to_batch
+
+    learner, cfg = state["learner"], state["cfg"]
+    g = torch.Generator().manual_seed(2)
+    vocab, prompt = learner.spec.vocab_size, args.seq // 4
+    samples = []
+    for i in range(args.samples):
+        n = int(torch.randint(args.seq // 16, args.seq - prompt + 1, (1,), generator=g))
+        samples.append(Sample(0, i, i // 4,
+                              tuple(torch.randint(5, vocab, (prompt,), generator=g).tolist()),
+                              tuple(torch.randint(5, vocab, (n,), generator=g).tolist()),
+                              tuple([-3.0] * n), "length", advantage=float(i % 3 - 1)))
+    batch = to_batch(samples)
+    out = {"padding_frac": 1 - sum(sequence_lengths(batch.response_mask)) / batch.tokens.numel()}
+    # the learner reads parallel.pack_tokens at each call: switch it for this comparison only
+    padded_cfg, packed_cfg = cfg, replace(cfg, parallel=replace(cfg.parallel, pack_tokens=args.seq * 2))
+    logps = {}
+    for name, c in (("padded", padded_cfg), ("packed", packed_cfg)):  # same weights for both
+        learner.cfg = c
+        logps[name], _ = learner.logprobs(batch)
+    for name, c in (("padded", padded_cfg), ("packed", packed_cfg)):
+        learner.cfg = c
+        out[name] = {"step_s": summarize([learner.train_step(batch).seconds for _ in range(3)])}
+    learner.cfg = cfg
+    resp = batch.response_mask
+    diff = (logps["padded"] - logps["packed"]).abs()[resp]
+    out.update(logp_diff_max=float(diff.max()), logp_diff_mean=float(diff.mean()),
+               packed_speedup=out["padded"]["step_s"]["median"] / out["packed"]["step_s"]["median"],
+               path="THD (Transformer Engine)" if learner._thd else "block-diagonal mask")
+    return out
+
+
 def engine_section(path: Path, state: dict, args) -> dict:
     from mugrpo_megatron.engines import SamplingSpec, make_engine
     from mugrpo_megatron.engines.sync import push_weights
@@ -267,7 +307,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--sections", default="ceiling,learner_bf16,offload,reshard,learner_fp8,engine")
+    ap.add_argument("--sections",
+                    default="ceiling,learner_bf16,offload,reshard,packing,engine,learner_fp8")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     big = args.size != "tiny"
@@ -287,7 +328,8 @@ def main() -> None:
         run_section("learner_bf16", lambda: learner_section(path, args, False, state), results)
     have_learner = "learner" in state
     for name, fn in (("offload", lambda: offload_section(state)),
-                     ("reshard", lambda: reshard_section(state, args))):
+                     ("reshard", lambda: reshard_section(state, args)),
+                     ("packing", lambda: packing_section(state, args))):
         if name in sections:
             run_section(name, fn if have_learner else _no_learner, results)
 
@@ -337,6 +379,9 @@ def _headline(name: str, v: dict) -> str:
                 f"on in {v['onload_1']['seconds']:.2f}s")
     if name == "reshard":
         return f"{v['reshard_gb_s']:.2f} GB/s ({v['reshard_vs_copy']:.0%} of a D2H copy)"
+    if name == "packing":
+        return (f"{v['path']}: |logp diff| max {v['logp_diff_max']:.2e}, step {v['packed_speedup']:.2f}x "
+                f"faster packed ({v['padding_frac']:.0%} padding)")
     if name == "engine":
         return (f"{v['generate']['tokens_per_s']:.0f} tok/s, sync {v['sync']['gb_s']:.2f} GB/s, "
                 f"gap {v['logprob_gap']['mean']:.2e} (max {v['logprob_gap']['max']:.2e})"

@@ -22,11 +22,12 @@ def test_device_check_runs_every_section_it_can(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    for name in ("ceiling", "learner_bf16", "offload", "reshard", "engine"):
+    for name in ("ceiling", "learner_bf16", "offload", "reshard", "packing", "engine"):
         assert r[name]["status"] == "ok", (name, r[name])
     assert r["learner_bf16"]["tokens_per_s"] > 0 and r["learner_bf16"]["losses_finite"]
     assert r["offload"]["offload_1"]["gib"] > 0
     assert r["engine"]["logprob_gap"]["max"] < 1e-4  # fp32 on CPU
+    assert r["packing"]["logp_diff_max"] < 1e-4 and r["packing"]["padding_frac"] > 0
     assert r["engine"]["generate"]["tokens"] > 0
     assert r["learner_fp8"]["status"] == "skipped" and "GPU" in r["learner_fp8"]["why"]
     assert "section" in proc.stdout  # the table
