@@ -23,15 +23,28 @@ from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
 _OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _sharded_state(learner, loading: bool) -> dict[str, Any]:
+def _sharded_state(learner, loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
     # the bare GPTModel chunks, so tensor keys do not depend on the DDP/fp16 wrappers
     chunks = learner.chunks()
     state: dict[str, Any] = {_model_key(i, len(chunks)): c.sharded_state_dict()
                              for i, c in enumerate(chunks)}
     model_state = state["model"] if len(chunks) == 1 else dict(state)
-    state["optimizer"] = learner.optimizer.sharded_state_dict(
-        model_state, is_loading=loading, metadata=_OPT_METADATA)
+    if with_optimizer:
+        state["optimizer"] = learner.optimizer.sharded_state_dict(
+            model_state, is_loading=loading, metadata=_OPT_METADATA)
     return state
+
+
+def _has_optimizer_state(optimizer) -> bool:
+    """Whether the optimizer has taken a step on every rank. torch's Adam creates its state at
+    the first step; before it (a run whose first phase trained on nothing: every group uniform)
+    megatron's optimizer cannot describe a state it does not have, so none is saved."""
+    has = all(len(inner.optimizer.state) > 0
+              for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+              if any(g["params"] for g in inner.optimizer.param_groups))
+    flag = torch.tensor([1 if has else 0], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _model_key(i: int, n: int) -> str:
@@ -46,9 +59,10 @@ def save_learner(learner, path: Path, counters: dict[str, int]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    with_optimizer = _has_optimizer_state(learner.optimizer)
     with megatron_on_cpu():
-        dist_checkpointing.save(_sharded_state(learner, loading=False), str(tmp),
-                                content_metadata=_OPT_METADATA)
+        dist_checkpointing.save(_sharded_state(learner, loading=False, with_optimizer=with_optimizer),
+                                str(tmp), content_metadata=_OPT_METADATA)
     dist.barrier()
     if dist.get_rank() == 0:
         from mugrpo_megatron.learner.convert import keep_hf_config
@@ -59,6 +73,7 @@ def save_learner(learner, path: Path, counters: dict[str, int]) -> None:
             "scheduler": learner.scheduler.state_dict(),
             "num_updates": learner.num_updates,
             "distributed_optimizer": learner.cfg.parallel.distributed_optimizer,
+            "optimizer_state": with_optimizer,
         }, indent=1))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
@@ -134,14 +149,20 @@ def load_learner(learner, path: Path) -> dict[str, int]:
             f"parallel.distributed_optimizer: the checkpoint {path} was saved with "
             f"{saved_distopt}, this run has {learner.cfg.parallel.distributed_optimizer}; "
             f"TP/PP/DP sizes may change on resume, this setting may not")
-    _ensure_optimizer_state(learner.optimizer)
-    _tolerate_missing_step(learner.optimizer)
+    with_optimizer = meta.get("optimizer_state", True)
+    if with_optimizer:
+        _ensure_optimizer_state(learner.optimizer)
+        _tolerate_missing_step(learner.optimizer)
     with megatron_on_cpu():
-        state = dist_checkpointing.load(_sharded_state(learner, loading=True), str(path))
+        state = dist_checkpointing.load(
+            _sharded_state(learner, loading=True, with_optimizer=with_optimizer), str(path))
         chunks = learner.chunks()
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(state[_model_key(i, len(chunks))])
-        learner.optimizer.load_state_dict(state["optimizer"])
+        if with_optimizer:
+            learner.optimizer.load_state_dict(state["optimizer"])
+        elif hasattr(learner.optimizer, "reload_model_params"):  # fp32 master copies follow
+            learner.optimizer.reload_model_params()
     _unshare_steps(learner.optimizer)
     learner.scheduler.load_state_dict(meta["scheduler"])
     learner.num_updates = meta["num_updates"]
