@@ -263,8 +263,17 @@ def engine_section(path: Path, state: dict, args) -> dict:
             if torch.cuda.is_available():
                 out["free_gib_while_asleep"] = torch.cuda.mem_get_info()[0] / 2**30
             t0 = time.perf_counter()
+            engine.wake(weights_only=True)  # as the trainer does: weights for the sync first
+            out["wake_weights_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
             engine.wake()
             out["wake_s"] = time.perf_counter() - t0
+            # the weights survived the round trip: the engine's samples still match the learner
+            again = engine.generate(prompts[:args.micro], SamplingSpec(n=1, max_new_tokens=16))
+            batch = to_batch([Sample(0, i, i, tuple(prompts[i]), g[0].token_ids, g[0].logprobs,
+                                     g[0].finish_reason) for i, g in enumerate(again)])
+            gap = logprob_gap(learner.logprobs(batch)[0], batch)
+            out["logprob_gap_after_wake"] = {"mean": gap.mean, "max": gap.max}
         else:
             out["sleep"] = "not supported here (no GPU)"
     finally:

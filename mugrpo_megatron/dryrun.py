@@ -16,8 +16,9 @@ The estimate is arithmetic on the architecture (from the checkpoint's ``config.j
   memory fraction leaves, with the number of tokens that cache holds.
 
 With ``parallel.offload_learner`` 'auto' (the default: on, on GPUs) or 'always', the learner's
-memory goes to the host while the engine starts and generates, and the engine sleeps while the
-learner trains, so the peak is the larger of the two; with 'never' both must fit together.
+memory goes to the host while the engine starts and generates, the engine sleeps while the
+learner trains, and a weight sync wakes only the engine's weights: the peak is the larger of
+learner + engine weights and the engine's whole budget. With 'never' all of it must fit at once.
 """
 
 from __future__ import annotations
@@ -79,14 +80,12 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
         "logits": logits, "learner": learner, "engine_weights": engine_weights, "kv_cache": kv,
         "kv_tokens": kv / kv_per_token, "engine": max(engine_budget, engine_weights),
         "offloaded": cfg.parallel.offload_learner != "never",
-        "peak": (max if cfg.parallel.offload_learner != "never" else _sum)(
-            learner, max(engine_budget, engine_weights)),
+        # offloaded: the learner meets only the engine's weights (the weight sync, before the KV
+        # cache is woken); resident: it meets the whole engine
+        "peak": max(learner + engine_weights, max(engine_budget, engine_weights))
+        if cfg.parallel.offload_learner != "never" else learner + max(engine_budget, engine_weights),
         "microbatches_in_flight": in_flight, "seq_len": s,
     }
-
-
-def _sum(a: float, b: float) -> float:
-    return a + b
 
 
 def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
@@ -119,8 +118,8 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"  engine weights  {g(e['engine_weights'])}",
         f"  engine KV cache {g(e['kv_cache'])}  ({e['kv_tokens']:,.0f} tokens)",
         f"  peak            {g(e['peak'])}  of {gpu_gib:.0f} GiB ("
-        + ("learner offloaded while the engine generates: the larger of the two)"
-           if e["offloaded"] else "learner resident while the engine generates: both)"),
+        + ("learner offloaded while the engine generates)" if e["offloaded"]
+           else "learner resident while the engine generates)"),
     ]
     if e["peak"] > gpu_gib * GIB:
         raise ValueError("\n".join(lines) + f"\nthe estimate ({e['peak'] / GIB:.1f} GiB) does not fit "

@@ -129,12 +129,12 @@ class Trainer:
         """The phase's scored samples with advantages: from disk if this phase already generated."""
         samples = self.store.final(phase.index) if self.rank0 else None
         if self._from_rank0(samples is None):
-            t0 = time.perf_counter()
-            if self.rank0:
-                self.engine.wake()
-            times.switch += time.perf_counter() - t0
-            times.sync = self.sync_weights()
+            times.sync = self.sync_weights()  # into the engine's weights, woken alone
             with self.learner_offloaded(times):
+                t0 = time.perf_counter()
+                if self.rank0:
+                    self.engine.wake()  # the KV cache, now that the learner stepped aside
+                times.switch += time.perf_counter() - t0
                 samples = self.generate(phase, times) if self.rank0 else None
                 t0 = time.perf_counter()
                 if self.rank0:
@@ -166,7 +166,7 @@ class Trainer:
             return 0.0
         t0 = time.perf_counter()
         if self.rank0:
-            self.engine.wake()  # a sleeping engine has no weights to update
+            self.engine.wake(weights_only=True)  # a sleeping engine has no weights to update
         stream = iter_hf_tensors(self.learner.chunks(), self.learner.spec,
                                  bucket_bytes=self.cfg.rollout.weight_bucket_mb << 20)
         _, error = push_weights(self.engine, stream)
@@ -290,6 +290,8 @@ class Trainer:
             return
         r = self.cfg.rollout
         with self.learner_offloaded():
+            if self.rank0:
+                self.engine.wake()
             res = evaluate(self.engine, self.scorer, self.tokenizer, self.eval_prompts,
                            k=r.eval_samples, max_new_tokens=r.max_new_tokens,
                            temperature=r.temperature) if self.rank0 else None

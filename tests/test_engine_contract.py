@@ -62,3 +62,35 @@ def test_tempered_sampling_matches_learner(tmp_path, engine):
     gaps = json.loads((tmp_path / "out" / "result.json").read_text())["gaps"]
     for label in ("initial", "after_step"):
         assert gaps[label]["max"] < 1e-4, (label, gaps[label])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed here")
+def test_trainer_end_to_end_with_sglang(tmp_path):
+    """Two phases of the real trainer (TP2 learner) with SGLang as the engine; the vLLM
+    counterpart is tests/test_trainer.py."""
+    import os
+    import subprocess
+    import sys
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=5)
+    sets = {"model.path": hf, "model.dtype": "float32", "parallel.tensor": 2,
+            "parallel.micro_batch_size": 4, "rollout.engine": "sglang", "rollout.group_size": 4,
+            "rollout.max_new_tokens": 12, "rollout.generate_chunk_prompts": 4,
+            "rollout.mismatch_check_samples": 4, "algo.total_updates": 6,
+            "algo.updates_per_phase": 3, "algo.prompts_per_phase": 8, "algo.samples_per_update": 16,
+            "optim.lr": 1e-3, "data.num_arithmetic_problems": 64, "data.max_prompt_tokens": 64,
+            "data.eval_path": "builtin:arithmetic", "data.eval_size": 4,
+            "reward.name": "tests.reward_helpers:slow_digits_reward",
+            "logging.run_dir": tmp_path / "run", "logging.progress": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "mugrpo_megatron", "train", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    phases = [r for r in recs if r["kind"] == "phase"]
+    assert [p["phase"] for p in phases] == [0, 1]
+    for p in phases:
+        assert p["logprob_gap_max"] < 1e-4, p
+    assert sum(r["kind"] == "update" for r in recs) == 6
+    assert (tmp_path / "run" / "report.md").exists()

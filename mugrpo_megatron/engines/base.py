@@ -69,8 +69,10 @@ class RolloutEngine(abc.ABC):
     def sleep(self) -> None:
         """Release accelerator memory (weights and KV cache) until wake()."""
 
-    def wake(self) -> None:
-        """Reclaim accelerator memory released by sleep()."""
+    def wake(self, weights_only: bool = False) -> None:
+        """Reclaim accelerator memory released by sleep(). With ``weights_only``, only the
+        weights' (to take new weights while the learner still holds its memory); a later
+        ``wake()`` brings back the rest (KV cache) once the learner has stepped aside."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:

@@ -88,7 +88,7 @@ class SGLangEngine(RolloutEngine):
         torch.set_num_threads(threads)
         torch.set_rng_state(rng)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
-        self._asleep = False
+        self._asleep: set[str] = set()  # memory types released and not yet resumed
         self._bucket_bytes = cfg.weight_bucket_mb << 20
         # SGLang's scheduler dies on a tensor of the wrong shape and takes this process with it
         # (SIGQUIT to its parent); check each tensor against the checkpoint first and refuse.
@@ -164,13 +164,15 @@ class SGLangEngine(RolloutEngine):
 
     def sleep(self) -> None:
         if self.supports_sleep and not self._asleep:
-            self.engine.release_memory_occupation()
-            self._asleep = True
+            self.engine.release_memory_occupation()  # every type: weights, KV cache, CUDA graphs
+            self._asleep = {"weights", "kv_cache", "cuda_graph"}
 
-    def wake(self) -> None:
-        if self._asleep:
-            self.engine.resume_memory_occupation()
-            self._asleep = False
+    def wake(self, weights_only: bool = False) -> None:
+        # SGLang refuses to resume a type twice, so name exactly the ones still released
+        tags = sorted(self._asleep & {"weights"} if weights_only else self._asleep)
+        if tags:
+            self.engine.resume_memory_occupation(tags=tags)
+            self._asleep -= set(tags)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -100,7 +100,7 @@ class VLLMEngine(RolloutEngine):
         torch.set_num_threads(threads)
         torch.set_rng_state(rng)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
-        self._asleep = False
+        self._asleep: set[str] = set()  # what sleep() released and wake() has not brought back
         self._broken = ""
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
@@ -153,13 +153,14 @@ class VLLMEngine(RolloutEngine):
 
     def sleep(self) -> None:
         if self.supports_sleep and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+            self.llm.sleep(level=1)  # weights to host memory, KV cache dropped
+            self._asleep = {"weights", "kv_cache"}
 
-    def wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def wake(self, weights_only: bool = False) -> None:
+        tags = sorted(self._asleep & {"weights"} if weights_only else self._asleep)
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self._asleep -= set(tags)
 
     def shutdown(self) -> None:
         import gc
