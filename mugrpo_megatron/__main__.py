@@ -76,7 +76,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     from mugrpo_megatron.config import ParallelConfig
 
-    parallel = ParallelConfig(tensor=args.tp, pipeline=args.pp, distributed_optimizer=False)
+    parallel = ParallelConfig(tensor=args.tp, pipeline=args.pp, expert=args.ep,
+                              distributed_optimizer=False)
     import os
 
     parallel.data_parallel(int(os.environ.get("WORLD_SIZE", "1")))  # layout check, before groups
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert with")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to convert with")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size (MoE models; divides the data-parallel size)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.set_defaults(fn=cmd_convert)
     p = sub.add_parser("eval", help="score a checkpoint (HF dir or Megatron checkpoint) on a "

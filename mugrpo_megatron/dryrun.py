@@ -36,6 +36,7 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
     p = cfg.parallel
     dp = cfg.check_world_size(world_size)
     spec.check_tensor_parallel(p.tensor)
+    spec.check_expert_parallel(p.expert)
     stages = p.pipeline * (p.virtual_pipeline or 1)
     if spec.num_layers % stages:
         raise ValueError(f"parallel.pipeline x virtual_pipeline = {stages} does not divide the "
@@ -44,16 +45,23 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
     total = spec.num_parameters()
     embed = spec.vocab_size * h
     layer_params = (total - embed * (1 if spec.tie_embeddings else 2) - h) / spec.num_layers
+    # an MoE layer's experts are split over TP x EP ranks, the rest over TP
+    expert_layer = spec.num_experts * 3 * h * spec.moe_ffn_hidden_size
     vocab_rows = spec.padded_vocab_size(tp) // tp
     # the first stage holds the embedding, the last the output layer (a copy when tied)
-    stage_params = layer_params * spec.num_layers / p.pipeline / tp + vocab_rows * h
+    dense_params = (layer_params - expert_layer) / tp * spec.num_layers / p.pipeline + vocab_rows * h
     if p.pipeline == 1 and not spec.tie_embeddings:
-        stage_params += vocab_rows * h
+        dense_params += vocab_rows * h
+    expert_params = expert_layer / (tp * p.expert) * spec.num_layers / p.pipeline
+    stage_params = dense_params + expert_params
     w = BYTES[cfg.model.dtype]
     params_b = stage_params * w
     grads_b = stage_params * 4
     opt_per_param = 12 if w < 4 else 8
-    optim_b = stage_params * opt_per_param / (dp if p.distributed_optimizer else 1)
+    # the distributed optimizer shards the experts' state over the expert-data-parallel group
+    # (dp / ep ranks hold the same experts), the rest over all dp ranks
+    shard_dense, shard_expert = (dp, dp // p.expert) if p.distributed_optimizer else (1, 1)
+    optim_b = opt_per_param * (dense_params / shard_dense + expert_params / shard_expert)
 
     s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     b = p.micro_batch_size
@@ -101,7 +109,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else "")
         + f" x DP {e['dp']}; sequence parallel {p.sequence_parallel}; distributed optimizer "
           f"{p.distributed_optimizer}; engine {r.engine} at TP {r.tensor_parallel} "
-          f"({world_size // r.tensor_parallel} replicas)",
+          f"(one replica, started by global rank 0)",
         f"schedule: {a.num_phases} phases x mu={a.updates_per_phase} = {a.total_updates} updates; "
         f"{a.prompts_per_phase} prompts x G={r.group_size} per phase; {a.samples_per_update} "
         f"responses per update in microbatches of {p.micro_batch_size}",

@@ -51,6 +51,12 @@ TINY_FAMILIES: dict[str, dict] = {
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32},
     "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
                 "sliding_window": None},
+    # mixtures of experts: 4 experts, top-2
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                  "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 64, "norm_topk_prob": True, "decoder_sparse_step": 1},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
 }
 
 

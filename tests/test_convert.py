@@ -1,4 +1,5 @@
-"""HF -> Megatron (TP2 x PP2) -> HF is bit-exact, tied embeddings and a padded vocabulary included."""
+"""HF -> Megatron (TP2 x PP2, or PP2 x EP2 for experts) -> HF is bit-exact, tied embeddings, a
+padded vocabulary and mixtures of experts included."""
 
 import json
 import os
@@ -33,14 +34,18 @@ def read_hf(path):
     return out
 
 
-@pytest.mark.parametrize("family, opts", [("qwen2", {"tie_embeddings": True}), ("llama", {})])
-def test_round_trip_bit_exact(tmp_path, family, opts):
+@pytest.mark.parametrize("family, opts, layout", [
+    ("qwen2", {"tie_embeddings": True}, ["--tp", "2", "--pp", "2"]),
+    ("llama", {}, ["--tp", "2", "--pp", "2"]),
+    ("qwen3_moe", {}, ["--tp", "2", "--pp", "2"]),
+    ("mixtral", {}, ["--pp", "2", "--ep", "2"]),  # experts split over 2 ranks (EP2 in DP2)
+])
+def test_round_trip_bit_exact(tmp_path, family, opts, layout):
     hf = make_tiny_checkpoint(tmp_path / "hf", family, seed=2, vocab_size=400, **opts)
-    convert(4, "--to", "megatron", "--hf-dir", str(hf), "--out", str(tmp_path / "meg"),
-            "--tp", "2", "--pp", "2")
+    convert(4, "--to", "megatron", "--hf-dir", str(hf), "--out", str(tmp_path / "meg"), *layout)
     convert(1, "--to", "hf", "--checkpoint", str(tmp_path / "meg"), "--out", str(tmp_path / "back1"))
     convert(4, "--to", "hf", "--checkpoint", str(tmp_path / "meg"), "--out", str(tmp_path / "back4"),
-            "--tp", "2", "--pp", "2")
+            *layout)
     original = read_hf(hf)
     for back in ("back1", "back4"):
         got = read_hf(tmp_path / back)

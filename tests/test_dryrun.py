@@ -13,6 +13,7 @@ CONFIGS = [  # config, world size, architecture
     ("qwen2.5-math-1.5b_8xh100", 8, "qwen2.5-math-1.5b"),
     ("qwen2.5-math-7b_8xh100", 8, "qwen2.5-math-7b"),
     ("llama-3.1-70b_8x8xh100_fp8", 64, "llama-3.1-70b-instruct"),
+    ("qwen3-30b-a3b_2x8xh100", 16, "qwen3-30b-a3b"),
 ]
 
 

@@ -18,21 +18,31 @@ from mugrpo_megatron.tiny import make_tiny_checkpoint
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "dist" / "engine_worker.py"
 MODELS = {"llama": {}, "qwen2_tied": {"family": "qwen2", "tie_embeddings": True},
-          "qwen3": {"family": "qwen3"}}
+          "qwen3": {"family": "qwen3"}, "qwen3_moe": {"family": "qwen3_moe"}}
+LAYOUTS = {"tp2": ["parallel.tensor=2"], "pp2": ["parallel.pipeline=2"],
+           "ep2": ["parallel.expert=2"]}
+
+
+def cases():
+    """Every model at TP2 and PP2; the MoE model also with its experts split over two ranks."""
+    for model in MODELS:
+        for layout in LAYOUTS:
+            if layout != "ep2" or model.endswith("moe"):
+                yield model, layout
 ENGINES = [pytest.param(name, marks=pytest.mark.skipif(
                importlib.util.find_spec(name) is None, reason=f"{name} is not installed here"))
            for name in ("vllm", "sglang")]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("model, layout", list(cases()))
 def test_reshard_into_engine(tmp_path, engine, model, layout, monkeypatch):
     opts = dict(MODELS[model])
     family = opts.pop("family", model)
     hf = make_tiny_checkpoint(tmp_path / "hf", family, seed=3, **opts)
-    overrides = [f"rollout.engine={engine}"]
-    overrides.append("parallel.tensor=2" if layout == "tp2" else "parallel.pipeline=2")
+    overrides = [f"rollout.engine={engine}", *LAYOUTS[layout]]
+    if model.endswith("moe") and layout == "tp2":  # megatron-core needs it for MoE with TP
+        overrides.append("parallel.sequence_parallel=true")
     # 64 KiB buckets: several tensors share one, and the 200 KiB embedding is larger than a bucket
     monkeypatch.setenv("TEST_BUCKET_BYTES", str(64 << 10))
     torchrun(2, WORKER, str(hf), str(tmp_path / "out"), *overrides)

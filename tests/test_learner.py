@@ -23,7 +23,9 @@ COMMON = ["parallel.micro_batch_size=2", "algo.samples_per_update=8", "algo.tota
           "algo.updates_per_phase=4", "optim.lr=0.1", "optim.adam_eps=1.0", "optim.grad_clip=1.0",
           "algo.clip_low=0.2", "algo.clip_high=0.28", "algo.veto_threshold=1e-4"]
 # family -> checkpoint options; qwen2 has QKV bias and tied embeddings, all have GQA (4 q / 2 kv)
-FAMILIES = {"llama": {}, "qwen2": {"tie_embeddings": True}, "qwen3": {}, "mistral": {}}
+FAMILIES = {"llama": {}, "qwen2": {"tie_embeddings": True}, "qwen3": {}, "mistral": {},
+            "qwen3_moe": {}, "mixtral": {}}
+MOE = {"qwen3_moe", "mixtral"}
 LAYOUTS = {
     "tp2": (2, ["parallel.tensor=2"]),
     "pp2": (2, ["parallel.pipeline=2"]),
@@ -37,9 +39,45 @@ LAYOUTS = {
     "tp2pp2_sp_packed": (4, ["parallel.tensor=2", "parallel.pipeline=2",
                              "parallel.sequence_parallel=true", "parallel.pack_tokens=40"]),
     "dp2_distopt_packed": (2, ["parallel.distributed_optimizer=true", "parallel.pack_tokens=40"]),
+    # MoE: 2 experts on each expert-parallel rank (EP2 inside DP2)
+    "ep2_distopt": (2, ["parallel.expert=2"]),
     "tp2pp2_sp": (4, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"]),
 }
-FULL = {"llama", "qwen2"}  # every layout; the other families at TP2 and PP2
+FULL = {"llama", "qwen2"}  # every dense layout; the other families at TP2 and PP2
+
+
+def layouts_for(family: str) -> list[str]:
+    if family in MOE:  # megatron-core needs sequence parallel for MoE with TP > 1
+        return ["ep2_distopt", "tp2_sp", "pp2"]
+    return [name for name in LAYOUTS if not name.startswith("ep")
+            and (family in FULL or name in ("tp2", "pp2", "tp2_sp"))]
+
+
+def per_expert(grads: dict, family: str) -> dict:
+    """transformers 5 keeps an MoE layer's experts fused ([E, 2F, H] gate|up, [E, H, F] down);
+    checkpoints and our export name them per expert."""
+    from mugrpo_megatron.learner.hf_config import MOE_LAYOUT
+    from mugrpo_megatron.tiny import TINY_FAMILIES
+
+    if family not in MOE:
+        return grads
+    module, (gate, up, down) = MOE_LAYOUT[TINY_FAMILIES[family]["architectures"][0]]
+    out = {}
+    for name, g in grads.items():
+        # in memory the module is 'mlp' for every family; Mixtral's checkpoints say block_sparse_moe
+        if ".mlp.gate." in name or ".mlp.experts." in name:
+            name = name.replace(".mlp.", f".{module}.")
+        if name.endswith("experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            for e, ge in enumerate(g):
+                out[f"{base}{e}.{gate}.weight"], out[f"{base}{e}.{up}.weight"] = ge.chunk(2, dim=0)
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e, ge in enumerate(g):
+                out[f"{base}{e}.{down}.weight"] = ge
+        else:
+            out[name] = g
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -96,15 +134,15 @@ def test_tp1_matches_transformers(workdir, family):
     assert first["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     assert first["metrics"]["veto_frac"] > 0 and first["metrics"]["clip_frac"] > 0
     clip = min(1.0, 1.0 / ref["grad_norm"])  # megatron clips main_grad in place
-    for name, g in ref["grads"].items():
+    for name, g in per_expert(ref["grads"], family).items():
         if name == "lm_head.weight" and name not in got["grads"]:
             continue  # tied: the embedding's gradient holds both uses
         assert torch.allclose(got["grads"][name], g * clip, atol=2e-6, rtol=1e-4), name
     assert resp.any()
 
 
-@pytest.mark.parametrize("family, layout", [(f, layout) for f in FAMILIES for layout in LAYOUTS
-                                            if f in FULL or layout in ("tp2", "pp2")])
+@pytest.mark.parametrize("family, layout", [(f, layout) for f in FAMILIES
+                                            for layout in layouts_for(f)])
 def test_layout_matches_tp1(workdir, family, layout):
     ref = run(workdir, family, "tp1", 1, [])
     nproc, overrides = LAYOUTS[layout]

@@ -71,6 +71,25 @@ def _refresh_tied_lm_head(worker) -> bool:
     return True
 
 
+def _repack_cpu_experts(worker) -> int:
+    """Re-prepack MoE expert weights for vLLM-CPU's grouped GEMM after a reload (in the worker).
+
+    On a weight update vLLM copies the new experts into the parameters and skips the experts'
+    own ``process_weights_after_loading`` (it builds the kernel once, at start); the CPU experts
+    prepack their weights there, so after an update the kernel reads unpacked weights as packed
+    ones and every MoE layer computes garbage. Prepack again here. Returns the layers repacked."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for module in worker.model_runner.get_model().modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
                  trust_remote_code: bool = False):
@@ -148,6 +167,8 @@ class VLLMEngine(RolloutEngine):
             self._broken = f"{type(e).__name__}: {e}"
             raise
         self.llm.collective_rpc(_refresh_tied_lm_head)
+        if not torch.cuda.is_available():
+            self.llm.collective_rpc(_repack_cpu_experts)
         self.llm.reset_prefix_cache()
         return WeightSyncStats(counted["tensors"], counted["bytes"], time.perf_counter() - t0)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -34,8 +35,17 @@ def keep_hf_config(source: Path, ckpt: Path) -> None:
             shutil.copy2(source / name, out / name)
 
 
+def _for_weights(parallel: ParallelConfig, spec) -> ParallelConfig:
+    """megatron-core builds an MoE model with TP > 1 only with sequence parallel on; it does not
+    change any weight, so conversion turns it on for such models."""
+    if spec.is_moe and parallel.tensor > 1 and not parallel.sequence_parallel:
+        return replace(parallel, sequence_parallel=True)
+    return parallel
+
+
 def hf_to_megatron(hf_dir: Path, out: Path, parallel: ParallelConfig, dtype: str) -> None:
     spec = read_model_spec(hf_dir)
+    parallel = _for_weights(parallel, spec)
     layout = init_parallel(parallel, seed=0)
     chunks = build_chunks(spec, ModelConfig(path=str(hf_dir), dtype=dtype), parallel)
     load_hf_weights(chunks, spec, hf_dir, layout.tp_rank, layout.tp_size)
@@ -68,6 +78,7 @@ def megatron_to_hf(ckpt: Path, out: Path, parallel: ParallelConfig, dtype: str) 
         raise ValueError(f"--checkpoint: {ckpt} has no {HF_CONFIG_DIR}/config.json; it was not "
                          f"written by mugrpo_megatron, so its architecture is unknown")
     spec = read_model_spec(hf_config)
+    parallel = _for_weights(parallel, spec)
     init_parallel(parallel, seed=0)
     chunks = build_chunks(spec, ModelConfig(path=str(hf_config), dtype=dtype), parallel)
     load_model_state(chunks, ckpt)

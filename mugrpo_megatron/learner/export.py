@@ -3,7 +3,9 @@
 ``iter_hf_tensors`` is collective: every rank of the learner calls it and every rank receives every
 HF tensor, in the same order. Each parameter is all-gathered over its TP group on the pipeline stage
 that holds it, converted by the mapping table, and broadcast over the PP group, so each rank holds
-at most one full tensor beyond its own shards. The same stream feeds HF export and the rollout
+at most one full tensor beyond its own shards. An MoE expert's parameter is gathered over the
+expert tensor-parallel group, then over the expert-parallel group (every rank gets the same
+parameter of every expert-parallel rank's expert). The same stream feeds HF export and the rollout
 engine's weight update (resharding), so both use one mapping.
 """
 
@@ -60,6 +62,7 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     mine = _stage_entries(chunks, spec)
+    ep = _ExpertGroups(spec)
     for stage in range(pp_size):
         owner = stage == pp_rank
         # the owning stage tells the others what it will send: one (name, shape, dtype) per tensor
@@ -67,12 +70,14 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
         if owner:
             meta = [(name, tuple(shape), str(tensor_of(p).dtype).removeprefix("torch."))
                     for p, pm in mine
-                    for name, shape in zip(pm.hf_names, _hf_shapes(tensor_of(p), pm, tp_size, spec))]
+                    for names in ep.names(pm)
+                    for name, shape in zip(names, _hf_shapes(tensor_of(p), pm,
+                                                             ep.tp_size(pm, tp_size), spec))]
         if pp_size > 1:
             box = [meta]
             dist.broadcast_object_list(box, src=pp_ranks[stage], group=pp_group)
             meta = box[0]
-        produced = _produce(mine, tensor_of, spec, tp_size, tp_group) if owner else None
+        produced = _produce(mine, tensor_of, spec, tp_size, tp_group, ep) if owner else None
         for bucket in _buckets(meta, bucket_bytes):
             if owner:
                 tensors = [next(produced) for _ in bucket]
@@ -90,9 +95,47 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
                 yield name, (t.clone() if dtype is None or t.dtype == dtype else t.to(dtype))
 
 
-def _produce(entries, tensor_of, spec, tp_size, tp_group) -> Iterator[tuple[str, torch.Tensor]]:
+class _ExpertGroups:
+    """Expert parallelism as the export sees it: which experts another rank holds, and the groups
+    an expert's parameter is gathered over."""
+
+    def __init__(self, spec: ModelSpec):
+        self.size = mpu.get_expert_model_parallel_world_size() if spec.is_moe else 1
+        self.local = spec.num_experts // self.size if spec.is_moe else 0
+        self.offset = mpu.get_expert_model_parallel_rank() * self.local if spec.is_moe else 0
+
+    def names(self, pm: ParamMap) -> list[tuple[str, ...]]:
+        """HF names of ``pm`` on every expert-parallel rank, in rank order (just its own for a
+        parameter that is not an expert's)."""
+        if pm.expert is None or self.size == 1:
+            return [pm.hf_names]
+        i = pm.expert - self.offset
+        return [pm.for_expert(r * self.local + i).hf_names for r in range(self.size)]
+
+    def tp_size(self, pm: ParamMap, tp_size: int) -> int:
+        return mpu.get_expert_tensor_parallel_world_size() if pm.expert is not None else tp_size
+
+
+def _produce(entries, tensor_of, spec, tp_size, tp_group, ep: _ExpertGroups
+             ) -> Iterator[tuple[str, torch.Tensor]]:
     for param, pm in entries:
-        yield from _gather_tp(tensor_of(param), pm, spec, tp_size, tp_group)
+        if pm.expert is None:
+            yield from _gather_tp(tensor_of(param), pm, spec, tp_size, tp_group)
+            continue
+        full = _gather_tp(tensor_of(param), pm, spec, ep.tp_size(pm, tp_size),
+                          mpu.get_expert_tensor_parallel_group())
+        if ep.size == 1:
+            yield from full
+            continue
+        group = mpu.get_expert_model_parallel_group()
+        gathered = []
+        for _, t in full:
+            parts = [torch.empty_like(t) for _ in range(ep.size)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            gathered.append(parts)
+        for r, names in enumerate(ep.names(pm)):
+            for j, name in enumerate(names):
+                yield name, gathered[j][r]
 
 
 def _buckets(meta: list[tuple[str, tuple, str]], bucket_bytes: int) -> Iterator[list]:

@@ -13,12 +13,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# HF architecture -> (QKV bias, QK norm). All are RMSNorm + SwiGLU + RoPE decoders.
+# HF architecture -> (QKV bias, QK norm). All are RMSNorm + SwiGLU + RoPE decoders; the last two
+# have a mixture of SwiGLU experts in place of the MLP in every layer.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Qwen3MoeForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
+}
+# MoE architecture -> (HF module of the experts and router, names of gate, up, down projections)
+MOE_LAYOUT: dict[str, tuple[str, tuple[str, str, str]]] = {
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
 }
 
 
@@ -45,6 +53,19 @@ class ModelSpec:
     max_position_embeddings: int
     sliding_window: int | None
     init_std: float
+    num_experts: int = 0
+    """Experts per MoE layer (0: a dense model)."""
+    experts_per_token: int = 0
+    """Top-k: experts each token is routed to."""
+    moe_ffn_hidden_size: int = 0
+    """Hidden size of one expert's SwiGLU."""
+    router_pre_softmax: bool = False
+    """True: the top-k probabilities are the softmax over all experts (not renormalised); False:
+    renormalised over the chosen k (Qwen3-MoE's norm_topk_prob, Mixtral)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -63,7 +84,9 @@ class ModelSpec:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * hd
-        layer = attn + 3 * h * f + 2 * h
+        mlp = (self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
+               if self.is_moe else 3 * h * f)
+        layer = attn + mlp + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * layer + embed + h
 
@@ -78,8 +101,17 @@ class ModelSpec:
                 f"heads (query groups) of {self.architecture}; megatron-core would need KV heads "
                 f"replicated across TP ranks, which this learner does not do. Use a TP size that "
                 f"divides {self.num_kv_heads}.")
-        if self.ffn_hidden_size % tp:
-            raise ValueError(f"parallel.tensor: {tp} does not divide the MLP size {self.ffn_hidden_size}")
+        mlp = self.moe_ffn_hidden_size if self.is_moe else self.ffn_hidden_size
+        if mlp % tp:
+            raise ValueError(f"parallel.tensor: {tp} does not divide the MLP size {mlp}")
+
+    def check_expert_parallel(self, ep: int) -> None:
+        if ep > 1 and not self.is_moe:
+            raise ValueError(f"parallel.expert: {ep} > 1 needs a mixture-of-experts model; "
+                             f"{self.architecture} is dense")
+        if self.is_moe and self.num_experts % ep:
+            raise ValueError(f"parallel.expert: {ep} does not divide the {self.num_experts} experts "
+                             f"of {self.architecture}")
 
 
 def read_model_spec(hf_dir: str | Path) -> ModelSpec:
@@ -125,6 +157,20 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
                              f"(supported: llama3, linear)")
         if kind == "default":
             rope_scaling = None
+    moe: dict[str, Any] = {}
+    if arch in MOE_LAYOUT:
+        if arch == "Qwen3MoeForCausalLM":
+            if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
+                raise ValueError(f"{source}: dense layers among the MoE layers (decoder_sparse_step, "
+                                 f"mlp_only_layers) are not supported")
+            # hub configs say num_experts; transformers 5 writes num_local_experts
+            moe = dict(num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+                       moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                       router_pre_softmax=not cfg.get("norm_topk_prob", False))
+        else:
+            moe = dict(num_experts=int(cfg["num_local_experts"]),
+                       moe_ffn_hidden_size=int(cfg["intermediate_size"]), router_pre_softmax=False)
+        moe["experts_per_token"] = int(cfg["num_experts_per_tok"])
     return ModelSpec(
         architecture=arch,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -143,6 +189,7 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         sliding_window=int(sliding) if sliding else None,
         init_std=float(cfg.get("initializer_range", 0.02)),
+        **moe,
     )
 
 

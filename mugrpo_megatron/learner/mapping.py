@@ -11,7 +11,11 @@ Layouts (per tensor-parallel rank ``r`` of ``tp``):
   ``head_dim`` rows; rank r holds groups [r G/tp, (r+1) G/tp). Weight and bias alike.
 - ``gate_up``: ``linear_fc1`` is [gate_r; up_r] on rank r (each split along dim 0 first).
 - ``row``: ``linear_proj`` and ``linear_fc2`` split along dim 1.
-- ``replicated``: norms (input, pre-MLP, final, q/k norms) are whole on every rank.
+- ``replicated``: norms (input, pre-MLP, final, q/k norms) and MoE routers are whole on every rank.
+
+MoE experts (megatron's SequentialMLP): expert-parallel rank ``e`` holds experts
+[e E/ep, (e+1) E/ep) as ``local_experts.{i}``, each with the ``gate_up`` / ``row`` layouts above
+over the expert tensor-parallel group (the TP size), in HF's per-expert names.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from mugrpo_megatron.learner.hf_config import ModelSpec
+from mugrpo_megatron.learner.hf_config import MOE_LAYOUT, ModelSpec
 
 Kind = Literal["vocab", "qkv", "gate_up", "row", "replicated"]
 # read(hf_name, index) -> tensor[index]: only the requested rows/columns are read from disk;
@@ -31,6 +35,8 @@ Kind = Literal["vocab", "qkv", "gate_up", "row", "replicated"]
 Reader = Callable[[str, "tuple[slice, ...] | None"], torch.Tensor]
 
 _LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_HF_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 # megatron suffix within a layer -> (kind, HF suffixes within "model.layers.{i}.")
 _LAYER_TABLE: dict[str, tuple[Kind, tuple[str, ...]]] = {
@@ -61,6 +67,13 @@ class ParamMap:
 
     kind: Kind
     hf_names: tuple[str, ...]
+    expert: int | None = None
+    """The global expert index of an MoE expert's parameter."""
+
+    def for_expert(self, expert: int) -> "ParamMap":
+        """The same parameter of another expert (what another expert-parallel rank holds)."""
+        names = tuple(_HF_EXPERT.sub(f".experts.{expert}.", n) for n in self.hf_names)
+        return ParamMap(self.kind, names, expert)
 
 
 def strip_wrappers(name: str) -> str:
@@ -70,8 +83,10 @@ def strip_wrappers(name: str) -> str:
     return name
 
 
-def map_param(name: str, spec: ModelSpec, global_layer: int | None = None) -> ParamMap:
-    """The HF source of megatron parameter ``name``; ``global_layer`` (0-based) for layer params.
+def map_param(name: str, spec: ModelSpec, global_layer: int | None = None,
+              expert_offset: int = 0) -> ParamMap:
+    """The HF source of megatron parameter ``name``; ``global_layer`` (0-based) for layer params,
+    ``expert_offset`` the global index of this expert-parallel rank's first expert.
 
     The output layer of a model with tied embeddings maps to the HF input embedding.
     """
@@ -81,10 +96,21 @@ def map_param(name: str, spec: ModelSpec, global_layer: int | None = None) -> Pa
         if global_layer is None:
             raise ValueError(f"{name}: a layer parameter needs its global layer number")
         suffix = m.group(2)
+        layer = f"model.layers.{global_layer}"
+        if spec.is_moe and (suffix == "mlp.router.weight" or _EXPERT.match(suffix)):
+            module, (gate, up, down) = MOE_LAYOUT[spec.architecture]
+            if suffix == "mlp.router.weight":
+                return ParamMap("replicated", (f"{layer}.{module}.gate.weight",))
+            local, fc = _EXPERT.match(suffix).groups()
+            e = expert_offset + int(local)
+            base = f"{layer}.{module}.experts.{e}"
+            if fc == "linear_fc1":
+                return ParamMap("gate_up", (f"{base}.{gate}.weight", f"{base}.{up}.weight"), e)
+            return ParamMap("row", (f"{base}.{down}.weight",), e)
         if suffix not in _LAYER_TABLE:
             raise ValueError(f"no HF mapping for megatron parameter {name!r}")
         kind, hf = _LAYER_TABLE[suffix]
-        return ParamMap(kind, tuple(f"model.layers.{global_layer}.{s}" for s in hf))
+        return ParamMap(kind, tuple(f"{layer}.{s}" for s in hf))
     if name not in _TOP_TABLE:
         raise ValueError(f"no HF mapping for megatron parameter {name!r}")
     kind, hf = _TOP_TABLE[name]
@@ -112,7 +138,7 @@ def shard_from_hf(pm: ParamMap, read: Reader, spec: ModelSpec, tp_rank: int, tp_
             shard[:real.shape[0]] = real
         return shard
     if pm.kind == "gate_up":
-        rows = spec.ffn_hidden_size // tp_size
+        rows = _mlp_size(pm, spec) // tp_size
         rs = (slice(tp_rank * rows, (tp_rank + 1) * rows),)
         return torch.cat([read(pm.hf_names[0], rs), read(pm.hf_names[1], rs)], dim=0)
     # qkv: whole query groups [g0, g1) of this rank, interleaved as [q of group, k, v]
@@ -152,9 +178,13 @@ def hf_from_shards(pm: ParamMap, shards: list[torch.Tensor], spec: ModelSpec
             (pm.hf_names[2], v.contiguous())]
 
 
+def _mlp_size(pm: ParamMap, spec: ModelSpec) -> int:
+    return spec.moe_ffn_hidden_size if pm.expert is not None else spec.ffn_hidden_size
+
+
 def _row_input_size(pm: ParamMap, spec: ModelSpec) -> int:
     """Input width of a row-parallel linear: heads x head_dim (o_proj) or the MLP size (down_proj)."""
-    return spec.num_heads * spec.head_dim if "o_proj" in pm.hf_names[0] else spec.ffn_hidden_size
+    return spec.num_heads * spec.head_dim if "o_proj" in pm.hf_names[0] else _mlp_size(pm, spec)
 
 
 def tp_split_dim(kind: Kind) -> int | None:

@@ -118,11 +118,33 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         # them by megatron's even/odd ordering. NCCL keeps the faster batched path.
         batch_p2p_comm=torch.cuda.is_available(),
     )
+    if spec.is_moe:
+        kw.update(
+            num_moe_experts=spec.num_experts, moe_router_topk=spec.experts_per_token,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_router_pre_softmax=spec.router_pre_softmax,
+            # routing scores in fp32, as HF and the engines compute them
+            moe_router_dtype="fp32",
+            # no load-balancing loss in RL fine-tuning: the loss is the policy's alone
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            # all-to-all needs CUDA streams; all-gather works on gloo
+            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+            moe_grouped_gemm=False)
     if model.fp8_format is not None:
         from mugrpo_megatron.learner.fp8 import fp8_kwargs
 
         kw.update(fp8_kwargs(model))
     return TransformerConfig(**kw)
+
+
+def _moe_router_without_te() -> None:
+    """megatron-core 0.16.1's fp32 router GEMM (``moe_utils.router_gating_linear``) tests
+    ``te_general_gemm is not None`` to choose TE's GEMM or torch's, but the name is only defined
+    when Transformer Engine imports (NameError otherwise). Define it as None so torch's is used."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def uses_transformer_engine(model: ModelConfig) -> bool:
@@ -163,16 +185,22 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | 
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=spec.num_experts or None, moe_grouped_gemm=False,
+            qk_layernorm=spec.qk_norm)
     if model.fp8_format is not None and torch.cuda.is_available():
         raise ValueError("model.fp8_format: FP8 needs Transformer Engine, which is not "
                          "importable here")
-    local = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    local = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
+                                     qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     if config is None or not config.sequence_parallel:
         return local
     norm = ModuleSpec(module=SequenceParallelRMSNorm)
     local.submodules.input_layernorm = norm
     local.submodules.pre_mlp_layernorm = norm
+    if spec.qk_norm:  # megatron's torch norm refuses any model with sequence parallel on
+        attention = local.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = norm
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[local] * layers, layer_norm=norm)
 
@@ -180,6 +208,12 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | 
 def build_chunks(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), weights uninitialised."""
     spec.check_tensor_parallel(parallel.tensor)
+    spec.check_expert_parallel(parallel.expert)
+    if spec.is_moe:
+        if parallel.tensor > 1 and not parallel.sequence_parallel:
+            raise ValueError("parallel.sequence_parallel: megatron-core needs it for a "
+                             "mixture-of-experts model with parallel.tensor > 1")
+        _moe_router_without_te()
     stages = parallel.pipeline * (parallel.virtual_pipeline or 1)
     if spec.num_layers % stages:
         raise ValueError(f"parallel.pipeline x virtual_pipeline = {stages} does not divide the "
@@ -208,15 +242,24 @@ def global_layer_numbers(chunk: torch.nn.Module) -> dict[int, int]:
     return {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
 
 
+def expert_offset(spec: ModelSpec) -> int:
+    """Global index of this expert-parallel rank's first expert."""
+    if not spec.is_moe:
+        return 0
+    ep = mpu.get_expert_model_parallel_world_size()
+    return mpu.get_expert_model_parallel_rank() * (spec.num_experts // ep)
+
+
 def named_hf_params(chunk: torch.nn.Module, spec: ModelSpec):
     """(megatron name, parameter, ParamMap) for every parameter of a chunk."""
     layers = global_layer_numbers(chunk)
+    offset = expert_offset(spec)
     for name, param in chunk.named_parameters():
         parts = name.split(".")
         layer = None
         if "layers" in parts:
             layer = layers[int(parts[parts.index("layers") + 1])]
-        yield name, param, map_param(name, spec, layer)
+        yield name, param, map_param(name, spec, layer, offset)
 
 
 class SafetensorsReader:
@@ -256,7 +299,11 @@ def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str 
     padded = spec.padded_vocab_size(tp_size)
     for chunk in chunks:
         for name, param, pm in named_hf_params(chunk, spec):
-            shard = shard_from_hf(pm, read, spec, tp_rank, tp_size, padded)
+            if pm.expert is not None:  # experts are split over the expert tensor-parallel group
+                shard = shard_from_hf(pm, read, spec, mpu.get_expert_tensor_parallel_rank(),
+                                      mpu.get_expert_tensor_parallel_world_size(), padded)
+            else:
+                shard = shard_from_hf(pm, read, spec, tp_rank, tp_size, padded)
             if shard.shape != param.shape:
                 raise ValueError(f"{name}: shard from {pm.hf_names} has shape {tuple(shard.shape)}, "
                                  f"parameter has {tuple(param.shape)}")

@@ -30,10 +30,12 @@ def hf_state(learner, **kw):
 
 def optimizer_checksum(learner) -> float:
     total = torch.zeros((), dtype=torch.float64)
-    for state in learner.optimizer.state_dict().get("optimizer", {}).get("state", {}).values():
-        for v in state.values():
-            if torch.is_tensor(v):
-                total += v.double().abs().sum()
+    # every torch optimizer inside megatron's (chained: dense and MoE-expert parameters apart)
+    for inner in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer]):
+        for state in inner.optimizer.state.values():
+            for v in state.values():
+                if torch.is_tensor(v):
+                    total += v.double().abs().sum()
     torch.distributed.all_reduce(total)
     return float(total)
 
