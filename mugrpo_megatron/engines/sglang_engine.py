@@ -98,9 +98,9 @@ class SGLangEngine(RolloutEngine):
                  ) -> list[list[Generation]]:
         params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                   "top_p": sampling.top_p, "top_k": sampling.top_k}
-        # One request per sample, G in a row per prompt: the order of the answers is then that of
-        # the requests (SGLang's own n > 1 expands prompt-major); the radix cache shares the
-        # prompt's prefill among them.
+        # One request per sample, G in a row per prompt: answers come back in request order.
+        # (SGLang's own n > 1 repeats the whole batch n times, sample-major.) The radix cache
+        # shares each prompt's prefill among its G requests.
         requests = [list(map(int, p)) for p in prompts for _ in range(sampling.n)]
         outputs = self.engine.generate(input_ids=requests, sampling_params=[params] * len(requests),
                                        return_logprob=True)

@@ -281,7 +281,9 @@ class Learner:
         for m in self.model:
             m.train()
         logp = self._gather_rows(results, "logp", batch)[:, :seq].contiguous()
-        ent = self._gather_rows(results, "entropy", batch)[:, :seq].contiguous() if with_entropy else None
+        ent = None
+        if with_entropy:
+            ent = self._gather_rows(results, "entropy", batch)[:, :seq].contiguous()
         return logp, ent
 
     def _gather_rows(self, results: list[dict], key: str, batch: TokenBatch) -> torch.Tensor:
