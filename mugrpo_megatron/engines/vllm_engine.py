@@ -13,6 +13,7 @@ between phases.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -53,6 +54,19 @@ def _private_world() -> Iterator[None]:
         yield
     finally:
         dist.get_world_size, dist.new_group, dist.destroy_process_group = real
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """vLLM's layer-wise reload warns "<layer>: Failed to load weights" for every layer that
+    received no tensor. Two such layers are expected on every sync and need nothing: the rotary
+    embedding (a computed cache, in no checkpoint) and the LM head of a tied model (its weight is
+    the embedding's, which is loaded, and ``_refresh_tied_lm_head`` rebuilds the head from it).
+    Any other layer's warning is kept; a wrong or missing weight also shows in the mismatch check."""
+
+    EXPECTED = ("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.EXPECTED
 
 
 def _refresh_tied_lm_head(worker) -> bool:
@@ -99,6 +113,9 @@ class VLLMEngine(RolloutEngine):
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(cfg.cpu_kv_cache_gib)))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
+
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            _ExpectedReloadWarnings())
 
         # vLLM replaces torch.set_num_threads with a no-op and reseeds the global RNG: keep ours.
         set_threads, threads = torch.set_num_threads, torch.get_num_threads()
