@@ -23,16 +23,36 @@ from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
 _OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def model_sharded_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """The model part of a checkpoint: one sharded state dict per bare GPTModel chunk (so tensor
+    keys do not depend on the DDP/fp16 wrappers)."""
+    return {_model_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def load_model_state(chunks: list[torch.nn.Module], path: Path) -> None:
+    """Load the model part of a Megatron checkpoint (full or model-only) into ``chunks``."""
+    with megatron_on_cpu():
+        loaded = dist_checkpointing.load(model_sharded_state(chunks), str(path))
+        for i, c in enumerate(chunks):
+            c.load_state_dict(loaded[_model_key(i, len(chunks))])
+
+
 def _sharded_state(learner, loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
-    # the bare GPTModel chunks, so tensor keys do not depend on the DDP/fp16 wrappers
     chunks = learner.chunks()
-    state: dict[str, Any] = {_model_key(i, len(chunks)): c.sharded_state_dict()
-                             for i, c in enumerate(chunks)}
+    state = model_sharded_state(chunks)
     model_state = state["model"] if len(chunks) == 1 else dict(state)
     if with_optimizer:
         state["optimizer"] = learner.optimizer.sharded_state_dict(
             model_state, is_loading=loading, metadata=_OPT_METADATA)
     return state
+
+
+def _load_model_only(learner, path: Path) -> None:
+    """The model from a checkpoint without optimizer state; a fresh optimizer's fp32 master
+    copies follow the loaded weights."""
+    load_model_state(learner.chunks(), path)
+    if hasattr(learner.optimizer, "reload_model_params"):
+        learner.optimizer.reload_model_params()
 
 
 def _has_optimizer_state(optimizer) -> bool:
@@ -137,11 +157,7 @@ def load_learner(learner, path: Path) -> dict[str, int]:
     path = Path(path)
     meta = json.loads((path / "state.json").read_text())
     if meta.get("model_only"):
-        from mugrpo_megatron.learner.convert import load_model_state
-
-        load_model_state(learner.chunks(), path)
-        if hasattr(learner.optimizer, "reload_model_params"):  # fp32 master copies follow
-            learner.optimizer.reload_model_params()
+        _load_model_only(learner, path)
         return {"update": 0, "phase": 0}
     saved_distopt = meta.get("distributed_optimizer")
     if saved_distopt is not None and saved_distopt != learner.cfg.parallel.distributed_optimizer:
@@ -149,21 +165,18 @@ def load_learner(learner, path: Path) -> dict[str, int]:
             f"parallel.distributed_optimizer: the checkpoint {path} was saved with "
             f"{saved_distopt}, this run has {learner.cfg.parallel.distributed_optimizer}; "
             f"TP/PP/DP sizes may change on resume, this setting may not")
-    with_optimizer = meta.get("optimizer_state", True)
-    if with_optimizer:
+    if not meta.get("optimizer_state", True):  # saved before the first update
+        _load_model_only(learner, path)
+    else:
         _ensure_optimizer_state(learner.optimizer)
         _tolerate_missing_step(learner.optimizer)
-    with megatron_on_cpu():
-        state = dist_checkpointing.load(
-            _sharded_state(learner, loading=True, with_optimizer=with_optimizer), str(path))
-        chunks = learner.chunks()
-        for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(state[_model_key(i, len(chunks))])
-        if with_optimizer:
+        with megatron_on_cpu():
+            state = dist_checkpointing.load(_sharded_state(learner, loading=True), str(path))
+            chunks = learner.chunks()
+            for i, chunk in enumerate(chunks):
+                chunk.load_state_dict(state[_model_key(i, len(chunks))])
             learner.optimizer.load_state_dict(state["optimizer"])
-        elif hasattr(learner.optimizer, "reload_model_params"):  # fp32 master copies follow
-            learner.optimizer.reload_model_params()
-    _unshare_steps(learner.optimizer)
+        _unshare_steps(learner.optimizer)
     learner.scheduler.load_state_dict(meta["scheduler"])
     learner.num_updates = meta["num_updates"]
     return meta["counters"]

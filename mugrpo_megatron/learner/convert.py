@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from mugrpo_megatron.config import ModelConfig, ParallelConfig
+from mugrpo_megatron.learner.checkpoint import load_model_state, model_sharded_state
 from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
 from mugrpo_megatron.learner.export import TOKENIZER_FILES, iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.hf_config import read_model_spec
@@ -53,23 +54,13 @@ def hf_to_megatron(hf_dir: Path, out: Path, parallel: ParallelConfig, dtype: str
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
     dist.barrier()
-    state = {_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
     with megatron_on_cpu():
-        dist_checkpointing.save(state, str(out))
+        dist_checkpointing.save(model_sharded_state(chunks), str(out))
     dist.barrier()
     if dist.get_rank() == 0:
         keep_hf_config(hf_dir, out)
         (out / "state.json").write_text(json.dumps({"model_only": True, "dtype": dtype}))
     dist.barrier()
-
-
-def load_model_state(chunks, path: Path) -> None:
-    """Load the model part of a Megatron checkpoint (ours, full or model-only) into ``chunks``."""
-    state = {_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
-    with megatron_on_cpu():
-        loaded = dist_checkpointing.load(state, str(path))
-        for i, c in enumerate(chunks):
-            c.load_state_dict(loaded[_key(i, len(chunks))])
 
 
 def megatron_to_hf(ckpt: Path, out: Path, parallel: ParallelConfig, dtype: str) -> None:
@@ -86,6 +77,3 @@ def megatron_to_hf(ckpt: Path, out: Path, parallel: ParallelConfig, dtype: str) 
                        dtype=dtype)
     dist.barrier()
 
-
-def _key(i: int, n: int) -> str:
-    return "model" if n == 1 else f"model{i}"
