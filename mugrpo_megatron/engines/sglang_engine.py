@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 
 from mugrpo_megatron.config import RolloutConfig
-from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
+from mugrpo_megatron.engines.base import (
+    Generation,
+    RolloutEngine,
+    SamplingSpec,
+    WeightSyncStats,
+    torch_state_kept,
+)
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -70,8 +76,6 @@ class SGLangEngine(RolloutEngine):
                              "and every ratio would be off. Unset it.")
         import sglang
 
-        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        rng = torch.get_rng_state()
         kwargs = dict(model_path=str(model_dir), dtype=dtype, random_seed=cfg.seed,
                       tp_size=cfg.tensor_parallel, context_length=max_model_len,
                       trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
@@ -83,10 +87,8 @@ class SGLangEngine(RolloutEngine):
             kwargs.update(device="cpu", disable_cuda_graph=True,
                           max_total_tokens=_cpu_kv_tokens(Path(model_dir), dtype,
                                                           cfg.cpu_kv_cache_gib))
-        self.engine = sglang.Engine(**kwargs)
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
-        torch.set_rng_state(rng)
+        with torch_state_kept():
+            self.engine = sglang.Engine(**kwargs)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self._asleep: set[str] = set()  # memory types released and not yet resumed
         self._bucket_bytes = cfg.weight_bucket_mb << 20
@@ -139,9 +141,10 @@ class SGLangEngine(RolloutEngine):
             for name, tensor in weights:
                 self._check(name, tensor)
                 bucket.append((name, tensor))
-                size += tensor.numel() * tensor.element_size()
+                n = tensor.numel() * tensor.element_size()
+                size += n
+                nbytes += n
                 tensors += 1
-                nbytes += tensor.numel() * tensor.element_size()
                 if size >= self._bucket_bytes:
                     flush()
             flush()

@@ -23,7 +23,13 @@ import torch
 import torch.distributed as dist
 
 from mugrpo_megatron.config import RolloutConfig
-from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
+from mugrpo_megatron.engines.base import (
+    Generation,
+    RolloutEngine,
+    SamplingSpec,
+    WeightSyncStats,
+    torch_state_kept,
+)
 
 
 @contextlib.contextmanager
@@ -117,9 +123,6 @@ class VLLMEngine(RolloutEngine):
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             _ExpectedReloadWarnings())
 
-        # vLLM replaces torch.set_num_threads with a no-op and reseeds the global RNG: keep ours.
-        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        rng = torch.get_rng_state()
         kwargs = dict(model=str(model_dir), dtype=dtype, seed=cfg.seed, max_model_len=max_model_len,
                       tensor_parallel_size=cfg.tensor_parallel, trust_remote_code=trust_remote_code,
                       enforce_eager=not on_gpu, logprobs_mode="processed_logprobs")
@@ -130,11 +133,8 @@ class VLLMEngine(RolloutEngine):
             # A prompt prefilled in chunks makes vLLM rewind its per-request generator, which a
             # CPU generator cannot do ("CPU Generator does not use offset"): prefill whole prompts.
             kwargs.update(enable_chunked_prefill=False)
-        with _private_world():
+        with _private_world(), torch_state_kept():
             self.llm = LLM(**kwargs)
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
-        torch.set_rng_state(rng)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self._asleep: set[str] = set()  # what sleep() released and wake() has not brought back
         self._broken = ""
