@@ -81,17 +81,17 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
     engine_budget = r.gpu_memory_utilization * gpu_gib * GIB
     kv = max(0.0, engine_budget - engine_weights)
     kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 / r.tensor_parallel
+    engine = max(engine_budget, engine_weights)
+    offloaded = cfg.parallel.offload_learner != "never"
     return {
         "world_size": world_size, "dp": dp, "gpu_gib": gpu_gib,
         "parameters_total": total, "parameters_per_gpu": stage_params,
         "params": params_b, "grads": grads_b, "optimizer": optim_b, "activations": act,
         "logits": logits, "learner": learner, "engine_weights": engine_weights, "kv_cache": kv,
-        "kv_tokens": kv / kv_per_token, "engine": max(engine_budget, engine_weights),
-        "offloaded": cfg.parallel.offload_learner != "never",
+        "kv_tokens": kv / kv_per_token, "engine": engine, "offloaded": offloaded,
         # offloaded: the learner meets only the engine's weights (the weight sync, before the KV
         # cache is woken); resident: it meets the whole engine
-        "peak": max(learner + engine_weights, max(engine_budget, engine_weights))
-        if cfg.parallel.offload_learner != "never" else learner + max(engine_budget, engine_weights),
+        "peak": max(learner + engine_weights, engine) if offloaded else learner + engine,
         "microbatches_in_flight": in_flight, "seq_len": s,
     }
 
@@ -133,8 +133,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         raise ValueError("\n".join(lines) + f"\nthe estimate ({e['peak'] / GIB:.1f} GiB) does not fit "
                          f"{gpu_gib:.0f} GiB per GPU: raise parallel.tensor/pipeline, enable "
                          f"recompute, the distributed optimizer or parallel.offload_learner, or "
-                         f"lower "
-                         f"rollout.gpu_memory_utilization")
+                         f"lower rollout.gpu_memory_utilization")
     if e["kv_tokens"] < r.max_new_tokens + cfg.data.max_prompt_tokens:
         raise ValueError("\n".join(lines) + "\nthe engine's KV cache cannot hold one sequence: raise "
                          "rollout.gpu_memory_utilization or rollout.tensor_parallel")
