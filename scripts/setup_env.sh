@@ -6,22 +6,12 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
-PYTHON="${PYTHON:-python3.11}"
-command -v "$PYTHON" >/dev/null || PYTHON=python3
-
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "[setup] creating $VENV with $($PYTHON --version)"
-  "$PYTHON" -m venv "$VENV"
-fi
-# pip -q still prints a warning per package for package indexes configured on this machine that
-# do not exist; drop those lines, keep everything else (and pip's exit status).
-pip_install() {
-  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2>&1 \
-    | { grep -v '^WARNING: Location .* is ignored' || true; }
-  return "${PIPESTATUS[0]}"
-}
+source "$ROOT/scripts/venv_lib.sh"
+make_venv "$VENV" setup
+pip_install() { venv_pip "$VENV" "$@"; }
 stamp="$VENV/.mugrpo-installed"
-want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" "$ROOT/scripts/venv_lib.sh" \
+        | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing dependencies into $VENV (first time: a few minutes)"
   # The CPU build of torch first, so no dependency pulls a multi-GB CUDA build.

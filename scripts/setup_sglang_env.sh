@@ -12,21 +12,12 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SGLANG_VENV="${SGLANG_VENV:-$ROOT/.venv-sglang}"
-PYTHON="${PYTHON:-python3.11}"
-command -v "$PYTHON" >/dev/null || PYTHON=python3
 SGLANG_VERSION="0.5.23"
-
-if [ ! -x "$SGLANG_VENV/bin/python" ]; then
-  echo "[setup-sglang] creating $SGLANG_VENV with $($PYTHON --version)"
-  "$PYTHON" -m venv "$SGLANG_VENV"
-fi
-pip_install() {
-  "$SGLANG_VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2>&1 \
-    | { grep -v '^WARNING: Location .* is ignored' || true; }
-  return "${PIPESTATUS[0]}"
-}
+source "$ROOT/scripts/venv_lib.sh"
+make_venv "$SGLANG_VENV" setup-sglang
+pip_install() { venv_pip "$SGLANG_VENV" "$@"; }
 stamp="$SGLANG_VENV/.mugrpo-installed"
-want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_sglang_env.sh" \
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_sglang_env.sh" "$ROOT/scripts/venv_lib.sh" \
         "$ROOT/scripts/sglang_cpu/libcuda_standin.c" | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup-sglang] installing sglang==$SGLANG_VERSION into $SGLANG_VENV (first time: 10+ minutes)"
