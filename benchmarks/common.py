@@ -11,6 +11,20 @@ from pathlib import Path
 import torch
 
 
+def random_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
+    """A training batch of ``n`` random prompt + response sequences with fixed behaviour
+    log-probs and advantages in {-1, 0, 1}: a workload for timing, not for learning."""
+    from mugrpo_megatron.rollout import Sample, to_batch
+
+    g = torch.Generator().manual_seed(seed)
+    samples = [Sample(0, i, i // 4,
+                      tuple(torch.randint(5, vocab, (prompt_len,), generator=g).tolist()),
+                      tuple(torch.randint(5, vocab, (response_len,), generator=g).tolist()),
+                      tuple([-3.0] * response_len), "length", advantage=float(i % 3 - 1))
+               for i in range(n)]
+    return to_batch(samples)
+
+
 def summarize(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "n": len(values)}

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import summarize, table, write_json  # noqa: E402
+from common import random_batch, summarize, table, write_json  # noqa: E402
 
 SIZES = {  # random llama-shaped models
     "tiny": dict(hidden_size=256, ffn_hidden_size=704, num_heads=4, num_kv_heads=2, num_layers=2,
@@ -109,22 +109,10 @@ def make_learner(path: Path, args, fp8: bool):
     return cfg, Learner(cfg)
 
 
-def train_batch(args, vocab: int):
-    from mugrpo_megatron.rollout import Sample, to_batch
-
-    g = torch.Generator().manual_seed(0)
-    prompt, resp = args.seq // 4, args.seq - args.seq // 4
-    samples = [Sample(0, i, i // 4, tuple(torch.randint(5, vocab, (prompt,), generator=g).tolist()),
-                      tuple(torch.randint(5, vocab, (resp,), generator=g).tolist()),
-                      tuple([-3.0] * resp), "length", advantage=float(i % 3 - 1))
-               for i in range(args.samples)]
-    return to_batch(samples)
-
-
 def learner_section(path: Path, args, fp8: bool, state: dict) -> dict:
     cfg, learner = make_learner(path, args, fp8)
     spec = learner.spec
-    batch = train_batch(args, spec.vocab_size)
+    batch = random_batch(args.samples, args.seq // 4, args.seq - args.seq // 4, spec.vocab_size)
     steps = [learner.train_step(batch) for _ in range(args.warmup + args.steps)][args.warmup:]
     seconds = summarize([s.seconds for s in steps])
     tokens = batch.tokens.numel()  # every position goes forward and backward

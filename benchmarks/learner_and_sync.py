@@ -22,14 +22,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import summarize, table, write_json  # noqa: E402
+from common import random_batch, summarize, table, write_json  # noqa: E402
 
 from mugrpo_megatron.config import load_config  # noqa: E402
 from mugrpo_megatron.engines import make_engine  # noqa: E402
 from mugrpo_megatron.engines.sync import push_weights  # noqa: E402
 from mugrpo_megatron.learner.export import iter_hf_tensors  # noqa: E402
 from mugrpo_megatron.learner.learner import Learner  # noqa: E402
-from mugrpo_megatron.rollout import Sample, to_batch  # noqa: E402
 from mugrpo_megatron.tiny import make_tiny_checkpoint  # noqa: E402
 
 SIZES = {"h256": dict(hidden_size=256, ffn_hidden_size=704, num_heads=4, num_kv_heads=2),
@@ -64,12 +63,7 @@ def main() -> None:
         learner = Learner(cfg)
         rank0 = dist.get_rank() == 0
         engine = make_engine(cfg.rollout, path, dtype="float32", max_model_len=256) if rank0 else None
-        g = torch.Generator().manual_seed(0)
-        samples = [Sample(0, i, i // 4, tuple(torch.randint(5, 4000, (32,), generator=g).tolist()),
-                          tuple(torch.randint(5, 4000, (96,), generator=g).tolist()),
-                          tuple([-3.0] * 96), "length", advantage=float(i % 3 - 1))
-                   for i in range(32)]
-        batch = to_batch(samples)
+        batch = random_batch(32, 32, 96, 4000)
         learner.train_step(batch)  # warm-up
         step_s, reshard_s, sync_s, copy_s = [], [], [], []
         nbytes = sum(t.numel() * t.element_size() for _, t in
