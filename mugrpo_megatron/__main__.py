@@ -97,6 +97,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
     import tempfile
+    from dataclasses import replace
     from pathlib import Path
 
     cfg = _load(args)
@@ -117,8 +118,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from mugrpo_megatron.rewards import RewardScorer
 
         tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=cfg.model.trust_remote_code)
-        data = cfg.data if args.data is None else __import__("dataclasses").replace(
-            cfg.data, eval_path=args.data, eval_size=args.limit)
+        data = cfg.data if args.data is None else replace(cfg.data, eval_path=args.data,
+                                                          eval_size=args.limit)
         prompts, report = load_prompts(data, tokenizer, held_out=True)
         print(f"[eval] {report.summary()}")
         engine = make_engine(cfg.rollout, model, dtype=cfg.model.dtype,
