@@ -83,8 +83,7 @@ class Trainer:
         with self.learner_offloaded():
             self.engine = None if not self.rank0 else make_engine(
                 cfg.rollout, cfg.model.path, dtype=cfg.model.dtype,
-                max_model_len=min(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                                  self.learner.spec.max_position_embeddings),
+                max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
                 trust_remote_code=cfg.model.trust_remote_code)
             if self.rank0:  # awake only to generate (and take weights): not while the learner trains
                 self.engine.sleep()

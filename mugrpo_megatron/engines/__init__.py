@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from mugrpo_megatron.config import RolloutConfig
@@ -12,7 +13,15 @@ __all__ = ["Generation", "RolloutEngine", "SamplingSpec", "WeightSyncStats", "ma
 
 def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
                 trust_remote_code: bool = False) -> RolloutEngine:
-    """Start the engine named by ``rollout.engine`` on the HF checkpoint in ``model_dir``."""
+    """Start the engine named by ``rollout.engine`` on the HF checkpoint in ``model_dir``.
+
+    ``max_model_len`` (prompt + response) is capped at the model's ``max_position_embeddings``:
+    engines refuse a longer context than the model was built for."""
+    config = Path(model_dir) / "config.json"
+    if config.is_file():
+        positions = json.loads(config.read_text()).get("max_position_embeddings")
+        if positions:
+            max_model_len = min(max_model_len, int(positions))
     if cfg.engine == "vllm":
         from mugrpo_megatron.engines.vllm_engine import VLLMEngine
 
