@@ -206,7 +206,6 @@ def packing_section(state: dict, args) -> dict:
 
 def engine_section(path: Path, state: dict, args) -> dict:
     from mugrpo_megatron.engines import SamplingSpec, make_engine
-    from mugrpo_megatron.engines.sync import push_weights
     from mugrpo_megatron.learner.export import iter_hf_tensors
     from mugrpo_megatron.rollout import Sample, logprob_gap, to_batch
 
@@ -219,10 +218,8 @@ def engine_section(path: Path, state: dict, args) -> dict:
     learner.onload()
     try:
         t0 = time.perf_counter()
-        stats, error = push_weights(engine, iter_hf_tensors(learner.chunks(), learner.spec,
-                                                            bucket_bytes=256 << 20))
-        if error:
-            raise RuntimeError(error)
+        stats = engine.update_weights(iter_hf_tensors(learner.chunks(), learner.spec,
+                                                      bucket_bytes=256 << 20))
         out["sync"] = {"seconds": time.perf_counter() - t0, "gb_s": stats.gb_per_s,
                        "tensors": stats.num_tensors}
         g = torch.Generator().manual_seed(1)

@@ -25,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import random_batch, summarize, table, write_json  # noqa: E402
 
 from mugrpo_megatron.config import load_config  # noqa: E402
-from mugrpo_megatron.engines import make_engine  # noqa: E402
-from mugrpo_megatron.engines.sync import push_weights  # noqa: E402
+from mugrpo_megatron.engines.fleet import EngineFleet  # noqa: E402
 from mugrpo_megatron.learner.export import iter_hf_tensors  # noqa: E402
 from mugrpo_megatron.learner.learner import Learner  # noqa: E402
 from mugrpo_megatron.tiny import make_tiny_checkpoint  # noqa: E402
@@ -61,8 +60,7 @@ def main() -> None:
                                  "algo.samples_per_update=32", "algo.total_updates=8",
                                  "algo.updates_per_phase=4", "optim.lr=1e-5"])
         learner = Learner(cfg)
-        rank0 = dist.get_rank() == 0
-        engine = make_engine(cfg.rollout, path, dtype="float32", max_model_len=256) if rank0 else None
+        engines = EngineFleet.start(cfg.rollout, path, dtype="float32", max_model_len=256)
         batch = random_batch(32, 32, 96, 4000)
         learner.train_step(batch)  # warm-up
         step_s, reshard_s, sync_s, copy_s = [], [], [], []
@@ -81,7 +79,7 @@ def main() -> None:
             reshard_s.append(time.perf_counter() - t0)
             dist.barrier()
             t0 = time.perf_counter()
-            _, error = push_weights(engine, iter_hf_tensors(learner.chunks(), learner.spec))
+            _, error = engines.update_weights(iter_hf_tensors(learner.chunks(), learner.spec))
             assert not error, error
             sync_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
@@ -105,8 +103,7 @@ def main() -> None:
                      "memcpy GB/s", "sync/memcpy"], rows))
         write_json(args.out, {"layout": {"tp": args.tp, "pp": args.pp}, "results": results})
     dist.barrier()
-    if engine is not None:
-        engine.shutdown()
+    engines.shutdown()
 
 
 if __name__ == "__main__":

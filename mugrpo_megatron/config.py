@@ -134,6 +134,12 @@ class RolloutConfig(_Section):
     its own torch): scripts/setup_sglang_env.sh."""
     tensor_parallel: int = 1
     """Tensor-parallel size of each engine replica (independent of the learner's layout)."""
+    placement: Literal["auto", "spmd", "rank0"] = "auto"
+    """Where the engine runs. 'spmd' (vLLM): every torchrun rank hosts one tensor-parallel rank of
+    an engine, so world size / rollout.tensor_parallel replicas each generate a share of the
+    prompts (vLLM's external launcher), and every replica takes the weights in-process from the
+    learner on its own ranks. 'rank0': one engine started by global rank 0 (the only choice for
+    SGLang; vLLM then needs rollout.tensor_parallel = 1). 'auto': spmd for vLLM, rank0 for SGLang."""
     group_size: int = 8
     """G: responses sampled per prompt; advantages are normalised within each group."""
     max_new_tokens: int = 512
@@ -175,6 +181,19 @@ class RolloutConfig(_Section):
             self._fail("top_k", "must be -1 (off) or >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             self._fail("gpu_memory_utilization", "must be in (0, 1]")
+        if self.placement == "spmd" and self.engine != "vllm":
+            self._fail("placement", f"spmd needs vLLM's external launcher; {self.engine} runs as "
+                                    f"one engine on rank 0 (placement: rank0 or auto)")
+        if self.spmd is False and self.engine == "vllm" and self.tensor_parallel > 1:
+            self._fail("placement", f"rank0 with vLLM needs rollout.tensor_parallel = 1 (got "
+                                    f"{self.tensor_parallel}): vLLM would run its other "
+                                    f"tensor-parallel ranks in processes of its own, which the "
+                                    f"weight stream cannot reach; use placement: spmd (or auto)")
+
+    @property
+    def spmd(self) -> bool:
+        """Whether every rank hosts an engine rank (``placement``, with 'auto' resolved)."""
+        return self.engine == "vllm" and self.placement in ("auto", "spmd")
 
 
 @dataclass(frozen=True)
@@ -404,6 +423,11 @@ class Config:
     def check_world_size(self, world_size: int) -> int:
         """Validate the layout for ``world_size`` processes; returns the data-parallel size."""
         dp = self.parallel.data_parallel(world_size)
+        tp = self.rollout.tensor_parallel
+        if self.rollout.spmd and world_size % tp:
+            raise ValueError(f"rollout.tensor_parallel: {tp} must divide the world size "
+                             f"{world_size} with placement spmd (each engine replica spans "
+                             f"{tp} ranks)")
         per_step = dp * self.parallel.micro_batch_size
         if self.algo.samples_per_update % per_step:
             raise ValueError(

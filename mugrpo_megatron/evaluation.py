@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mugrpo_megatron.engines.base import RolloutEngine, SamplingSpec
+from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec
 from mugrpo_megatron.rewards import RewardScorer
 from mugrpo_megatron.types import Prompt
 
@@ -28,12 +28,17 @@ class EvalResult:
                 "eval_reward_timeouts": self.num_timeouts}
 
 
-def evaluate(engine: RolloutEngine, scorer: RewardScorer, tokenizer, prompts: Sequence[Prompt], *,
-             k: int, max_new_tokens: int, temperature: float = 1.0, seed: int = 0) -> EvalResult:
-    """k responses per prompt (greedy when k == 1), scored with the training reward."""
-    spec = SamplingSpec(n=k, max_new_tokens=max_new_tokens,
+def eval_sampling(*, k: int, max_new_tokens: int, temperature: float = 1.0, seed: int = 0
+                  ) -> SamplingSpec:
+    """k responses per prompt, greedy when k == 1."""
+    return SamplingSpec(n=k, max_new_tokens=max_new_tokens,
                         temperature=0.0 if k == 1 else temperature, seed=seed)
-    gens = engine.generate([p.token_ids for p in prompts], spec)
+
+
+def score_eval(gens: Sequence[Sequence[Generation]], prompts: Sequence[Prompt],
+               scorer: RewardScorer, tokenizer) -> EvalResult:
+    """Score each prompt's k responses with the training reward."""
+    k = len(gens[0]) if gens else 1
     texts, answers, lengths = [], [], []
     for prompt, group in zip(prompts, gens):
         for g in group:
@@ -47,3 +52,12 @@ def evaluate(engine: RolloutEngine, scorer: RewardScorer, tokenizer, prompts: Se
     return EvalResult(num_prompts=len(prompts), k=k, mean_at_k=sum(rewards) / n,
                       pass_at_k=sum(solved) / max(len(prompts), 1),
                       mean_response_tokens=sum(lengths) / n, num_timeouts=outcome.num_timeouts)
+
+
+def evaluate(engine: RolloutEngine, scorer: RewardScorer, tokenizer, prompts: Sequence[Prompt], *,
+             k: int, max_new_tokens: int, temperature: float = 1.0, seed: int = 0) -> EvalResult:
+    """k responses per prompt (greedy when k == 1) from one engine, scored with the training
+    reward."""
+    spec = eval_sampling(k=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    return score_eval(engine.generate([p.token_ids for p in prompts], spec), prompts, scorer,
+                      tokenizer)

@@ -1,8 +1,9 @@
 """The Mu-GRPO loop: for each phase, sync weights, generate, score, advantages once, then mu updates.
 
-GRPO (mu = 4) and Mu-GRPO (mu = 1024) are configs of this one loop. Every rank runs the learner;
-global rank 0 also holds the rollout engine and the reward workers, and hands the phase's samples
-to the other ranks.
+GRPO (mu = 4) and Mu-GRPO (mu = 1024) are configs of this one loop. Every rank runs the learner
+and drives the rollout engines collectively (``engines.fleet``: a tensor-parallel rank of a
+replica on every rank, or one engine on global rank 0). Global rank 0 also holds the reward
+workers and the rollout store, and hands the phase's samples to the other ranks.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch.distributed as dist
 
 from mugrpo_megatron.config import Config, dump_yaml, to_dict
 from mugrpo_megatron.data import load_prompts
-from mugrpo_megatron.engines import SamplingSpec, make_engine
-from mugrpo_megatron.engines.sync import push_weights
-from mugrpo_megatron.evaluation import evaluate
+from mugrpo_megatron.engines import SamplingSpec
+from mugrpo_megatron.engines.fleet import EngineFleet
+from mugrpo_megatron.evaluation import eval_sampling, score_eval
 from mugrpo_megatron.learner.checkpoint import latest_checkpoint, load_learner, prune, save_learner
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
@@ -75,18 +76,18 @@ class Trainer:
         self.progress = Progress(enabled=self.rank0 and cfg.logging.progress)
         off = cfg.parallel.offload_learner
         self.offload = off == "always" or (off == "auto" and torch.cuda.is_available())
-        self.engine = self.scorer = None
+        self.scorer = None
         if self.rank0:
             self.progress.note(f"data: {report.summary()}; held out: {len(self.eval_prompts)}")
             self.scorer = RewardScorer(cfg.reward)
         # the engine sizes its memory from what is free when it starts: the learner steps aside
         with self.learner_offloaded():
-            self.engine = None if not self.rank0 else make_engine(
+            self.engines = EngineFleet.start(
                 cfg.rollout, cfg.model.path, dtype=cfg.model.dtype,
                 max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
                 trust_remote_code=cfg.model.trust_remote_code)
-            if self.rank0:  # awake only to generate (and take weights): not while the learner trains
-                self.engine.sleep()
+            self.engines.sleep()  # awake only to generate (and take weights), not while training
+        self.progress.note(f"rollout: {self.engines.describe()}")
         # the learner update whose weights the engine holds (None: the checkpoint it started from)
         self._engine_has: int | None = None
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -131,13 +132,11 @@ class Trainer:
             times.sync = self.sync_weights()  # into the engine's weights, woken alone
             with self.learner_offloaded(times):
                 t0 = time.perf_counter()
-                if self.rank0:
-                    self.engine.wake()  # the KV cache, now that the learner stepped aside
+                self.engines.wake()  # the KV cache, now that the learner stepped aside
                 times.switch += time.perf_counter() - t0
-                samples = self.generate(phase, times) if self.rank0 else None
+                samples = self.generate(phase, times)
                 t0 = time.perf_counter()
-                if self.rank0:
-                    self.engine.sleep()
+                self.engines.sleep()
                 times.switch += time.perf_counter() - t0
         return self._from_rank0(samples)
 
@@ -164,42 +163,48 @@ class Trainer:
         if self._engine_has == self.learner.num_updates:
             return 0.0
         t0 = time.perf_counter()
-        if self.rank0:
-            self.engine.wake(weights_only=True)  # a sleeping engine has no weights to update
+        self.engines.wake(weights_only=True)  # a sleeping engine has no weights to update
         stream = iter_hf_tensors(self.learner.chunks(), self.learner.spec,
                                  bucket_bytes=self.cfg.rollout.weight_bucket_mb << 20)
-        _, error = push_weights(self.engine, stream)
+        _, error = self.engines.update_weights(stream)
         if error:
             raise RunFailed(f"weight sync into the engine failed: {error}. Nothing of the learner "
                             f"was lost; resume from {self.ckpt_dir} by running again.")
         self._engine_has = self.learner.num_updates
         return time.perf_counter() - t0
 
-    def generate(self, phase: Phase, times: PhaseTimes) -> list[Sample]:
-        """Rank 0: G samples per prompt, scored, persisted chunk by chunk, then advantages."""
+    def generate(self, phase: Phase, times: PhaseTimes) -> list[Sample] | None:
+        """G samples per prompt (collective), scored and persisted chunk by chunk on rank 0, then
+        advantages; the phase's samples on rank 0, None on the other ranks."""
         r = self.cfg.rollout
         chunk = r.generate_chunk_prompts
-        done = self.store.parts(phase.index)
+        done = self.store.parts(phase.index) if self.rank0 else {}
+        kept = self._from_rank0(sorted(done))  # every rank skips the same chunks
         samples: list[Sample] = []
         bar = self.progress.bar(f"phase {phase.index} generate", total=len(phase.prompt_indices))
+        # sample j of the phase's k-th prompt has seed phase_seed + k * G + j, however the prompts
+        # are chunked and split over engine replicas
+        phase_seed = (r.seed * 1_000_003 + phase.index * 10_007) % 2**31 * 2**31
         for part, start in enumerate(range(0, len(phase.prompt_indices), chunk)):
             rows = phase.prompt_indices[start:start + chunk]
-            if part in done:
-                samples += done[part]
+            if part in kept:
+                samples += done.get(part, [])
                 bar.update(len(rows))
                 continue
             t0 = time.perf_counter()
             spec = SamplingSpec(n=r.group_size, max_new_tokens=r.max_new_tokens,
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                seed=r.seed * 1_000_003 + phase.index * 10_007 + part)
+                                seed=phase_seed + start * r.group_size)
             try:
-                gens = self.engine.generate([self.prompts[i].token_ids for i in rows], spec)
+                gens = self.engines.generate([self.prompts[i].token_ids for i in rows], spec)
             except Exception as e:
                 raise RunFailed(
                     f"phase {phase.index}: the engine failed on prompts {start}..{start + len(rows)}"
                     f" ({type(e).__name__}: {e}). Kept: {part} generated chunks in "
                     f"{self.store.root}; resume by running again.") from e
             times.generate += time.perf_counter() - t0
+            if not self.rank0:
+                continue
             t0 = time.perf_counter()
             new = [Sample(phase.index, i, start + j, self.prompts[i].token_ids, g.token_ids,
                           g.logprobs, g.finish_reason)
@@ -217,6 +222,8 @@ class Trainer:
             samples += new
             bar.update(len(rows))
         bar.close()
+        if not self.rank0:
+            return None
         samples = with_advantages(samples, r.group_size, self.cfg.algo.adv_eps)
         self.store.write_final(phase.index, samples)
         return samples
@@ -289,14 +296,13 @@ class Trainer:
             return
         r = self.cfg.rollout
         with self.learner_offloaded():
-            if self.rank0:
-                self.engine.wake()
-            res = evaluate(self.engine, self.scorer, self.tokenizer, self.eval_prompts,
-                           k=r.eval_samples, max_new_tokens=r.max_new_tokens,
-                           temperature=r.temperature) if self.rank0 else None
-            dist.barrier()
+            self.engines.wake()
+            spec = eval_sampling(k=r.eval_samples, max_new_tokens=r.max_new_tokens,
+                                 temperature=r.temperature)
+            gens = self.engines.generate([p.token_ids for p in self.eval_prompts], spec)
         if not self.rank0:
             return
+        res = score_eval(gens, self.eval_prompts, self.scorer, self.tokenizer)
         self.log.log("eval", self.learner.num_updates, {"label": label, **res.as_dict()})
         self.progress.note(f"held-out ({label}): mean@{res.k} {res.mean_at_k:.3f}, "
                            f"pass@{res.k} {res.pass_at_k:.3f} on {res.num_prompts} prompts")
@@ -304,7 +310,7 @@ class Trainer:
     def close(self) -> None:
         if self.rank0:
             self.scorer.close()
-            self.engine.shutdown()
+        self.engines.shutdown()
         self.log.close()
 
     # ---------------------------------------------------------------- helpers
@@ -332,6 +338,7 @@ class Trainer:
             "uniform_groups": len(uniform), "uniform_group_frac": len(uniform) * self.cfg.rollout.group_size / n,
             "response_len": sum(len(s.response_ids) for s in samples) / n,
             "truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
+            "engine_replicas": self.engines.num_replicas,
             "skipped_updates": skipped, "sync_seconds": times.sync, "switch_seconds": times.switch,
             "generate_seconds": times.generate, "score_seconds": times.score,
             "optimize_seconds": times.optimize, **times.extra,

@@ -85,3 +85,21 @@ def test_world_size_checks():
         cfg.check_world_size(6)
     with pytest.raises(ValueError, match=r"algo\.samples_per_update: 64 is not divisible by .* 24 x 2"):
         cfg.check_world_size(96)
+
+
+def test_engine_placement():
+    assert load_config(None, []).rollout.spmd  # vLLM: a replica per rollout.tensor_parallel ranks
+    assert not load_config(None, ["rollout.engine=sglang"]).rollout.spmd
+    assert not load_config(None, ["rollout.placement=rank0"]).rollout.spmd
+    with pytest.raises(ValueError, match=r"rollout\.placement: spmd needs vLLM's external launcher"):
+        load_config(None, ["rollout.engine=sglang", "rollout.placement=spmd"])
+    # vLLM on rank 0 alone would run its other TP ranks in its own processes, out of the stream's reach
+    with pytest.raises(ValueError, match=r"rollout\.placement: rank0 with vLLM needs "
+                                         r"rollout\.tensor_parallel = 1 \(got 2\)"):
+        load_config(None, ["rollout.placement=rank0", "rollout.tensor_parallel=2"])
+    assert load_config(None, ["rollout.engine=sglang", "rollout.tensor_parallel=2"])
+    cfg = load_config(None, ["rollout.tensor_parallel=4", "parallel.micro_batch_size=1",
+                             "algo.samples_per_update=48"])
+    assert cfg.check_world_size(8) == 8
+    with pytest.raises(ValueError, match=r"rollout\.tensor_parallel: 4 must divide the world size 6"):
+        cfg.check_world_size(6)

@@ -46,7 +46,17 @@ def test_reshard_into_engine(tmp_path, engine, model, layout, monkeypatch):
     # 64 KiB buckets: several tensors share one, and the 200 KiB embedding is larger than a bucket
     monkeypatch.setenv("TEST_BUCKET_BYTES", str(64 << 10))
     torchrun(2, WORKER, str(hf), str(tmp_path / "out"), *overrides)
-    r = json.loads((tmp_path / "out" / "result.json").read_text())
+    r = check_contract(tmp_path / "out")
+    # vLLM (placement auto = spmd): a TP1 replica on each rank, each generating half the prompts
+    assert r["replicas"] == (2 if engine == "vllm" else 1), r["describe"]
+    names = 39 if model == "llama" else None
+    if names:
+        assert all(s["tensors"] == names for s in r["sync"])
+
+
+def check_contract(out):
+    """The worker's measurements against the contract; returns them."""
+    r = json.loads((out / "result.json").read_text())
     gaps = r["gaps"]
     for label in ("initial", "after_step", "restored", "greedy"):
         assert gaps[label]["max"] < 1e-4, (label, gaps[label])
@@ -58,9 +68,38 @@ def test_reshard_into_engine(tmp_path, engine, model, layout, monkeypatch):
         assert "refused" in gaps[how] or gaps[how]["mean"] > 0.05, (how, gaps[how])
     assert gaps["pad_vocab"]["refused"], "a padded vocabulary must not load silently"
     assert all(r["greedy_equal"]), r["greedy_equal"]
-    names = 39 if model == "llama" else None
-    if names:
-        assert all(s["tensors"] == names for s in r["sync"])
+    return r
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")
+@pytest.mark.parametrize("ranks, layout", [(2, ["parallel.pipeline=2"]),
+                                           (4, ["parallel.pipeline=2", "parallel.tensor=2"])])
+def test_spmd_replicas_take_every_layer(tmp_path, ranks, layout, monkeypatch):
+    """Engine replicas at TP2 on the learner's own ranks (vLLM's external launcher). With a
+    learner at PP2 every engine rank holds a pipeline stage of the learner but must load every
+    layer; at TP2 x PP2 on 4 ranks, replica 0 sits on stage 0's ranks and replica 1 on stage 1's,
+    as when a 70B learner's pipeline spans nodes and each node runs its own engine. Tied
+    embeddings (held by the first and last stages) included."""
+    hf = make_tiny_checkpoint(tmp_path / "hf", "qwen2", seed=3, tie_embeddings=True)
+    monkeypatch.setenv("TEST_BUCKET_BYTES", str(64 << 10))
+    torchrun(ranks, WORKER, str(hf), str(tmp_path / "out"), "rollout.placement=spmd",
+             "rollout.tensor_parallel=2", *layout)
+    r = check_contract(tmp_path / "out")
+    assert r["replicas"] == ranks // 2, r["describe"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")
+def test_rank0_placement_samples_like_spmd(tmp_path):
+    """One engine on rank 0 meets the same contract, and draws the same samples as two replicas
+    that split the prompts: each prompt's seed does not depend on the replica serving it."""
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=3)
+    runs = {}
+    for placement in ("rank0", "spmd"):
+        out = tmp_path / placement
+        torchrun(2, WORKER, str(hf), str(out), f"rollout.placement={placement}", "parallel.tensor=2")
+        runs[placement] = check_contract(out)
+    assert runs["rank0"]["replicas"] == 1 and runs["spmd"]["replicas"] == 2
+    assert runs["rank0"]["initial_samples"] == runs["spmd"]["initial_samples"]
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -116,6 +116,7 @@ def test_two_phases_end_to_end_at_tp2(setup):
     for p in phases:  # the engine samples what the learner would: resharding is right
         assert p["logprob_gap_max"] < 1e-4, p
         assert p["generate_seconds"] > 0
+        assert p["engine_replicas"] == 2  # vLLM's default placement: a TP1 replica on each rank
         # phase 0 samples from the weights synced for the 'before' evaluation: no second sync
         assert (p["sync_seconds"] > 0) == (p["phase"] > 0), p
     updates = [r for r in recs if r["kind"] == "update"]

@@ -12,11 +12,13 @@ __all__ = ["Generation", "RolloutEngine", "SamplingSpec", "WeightSyncStats", "ma
 
 
 def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
-                trust_remote_code: bool = False) -> RolloutEngine:
+                trust_remote_code: bool = False, spmd: bool = False) -> RolloutEngine:
     """Start the engine named by ``rollout.engine`` on the HF checkpoint in ``model_dir``.
 
     ``max_model_len`` (prompt + response) is capped at the model's ``max_position_embeddings``:
-    engines refuse a longer context than the model was built for."""
+    engines refuse a longer context than the model was built for. With ``spmd`` (vLLM only) the
+    engine is one tensor-parallel rank of a replica, and every rank of the job must call this;
+    ``engines.fleet.EngineFleet`` drives that."""
     config = Path(model_dir) / "config.json"
     if config.is_file():
         positions = json.loads(config.read_text()).get("max_position_embeddings")
@@ -26,8 +28,10 @@ def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_mo
         from mugrpo_megatron.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(cfg, model_dir, dtype=dtype, max_model_len=max_model_len,
-                          trust_remote_code=trust_remote_code)
+                          trust_remote_code=trust_remote_code, spmd=spmd)
     if cfg.engine == "sglang":
+        if spmd:
+            raise ValueError("rollout.placement: spmd is for vLLM; SGLang runs as one engine")
         from mugrpo_megatron.engines.sglang_engine import SGLangEngine
 
         return SGLangEngine(cfg, model_dir, dtype=dtype, max_model_len=max_model_len,

@@ -23,7 +23,8 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
-    """Seed of this request (None: the engine's own stream)."""
+    """Sampling seed (None: the engine's own stream). Engines that seed per request sample the
+    j-th response to prompt i with seed + i * n + j, so no two samples of a call share a seed."""
 
 
 @dataclass(frozen=True)

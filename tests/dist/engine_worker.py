@@ -1,4 +1,5 @@
-"""Runs under torchrun: the learner in some layout resharding into vLLM on rank 0.
+"""Runs under torchrun: the learner in some layout resharding into the rollout engines (one per
+rank's replica with placement spmd, or one on rank 0).
 
 python -m torch.distributed.run --nproc_per_node N tests/dist/engine_worker.py HF_DIR OUT KEY=VALUE...
 
@@ -16,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from mugrpo_megatron.config import load_config
-from mugrpo_megatron.engines import SamplingSpec, make_engine
-from mugrpo_megatron.engines.sync import push_weights
+from mugrpo_megatron.engines import SamplingSpec
+from mugrpo_megatron.engines.fleet import EngineFleet
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.rollout import Sample, logprob_gap, to_batch
@@ -47,16 +48,17 @@ def main() -> None:
                              "algo.updates_per_phase=4", "optim.lr=1e-2", *sys.argv[3:]])
     learner = Learner(cfg)
     rank0 = dist.get_rank() == 0
-    engine = make_engine(cfg.rollout, hf_dir, dtype="float32", max_model_len=128) if rank0 else None
+    engines = EngineFleet.start(cfg.rollout, hf_dir, dtype="float32", max_model_len=128)
     # tests pass a bucket smaller than the largest tensor to check that such a tensor travels alone
     bucket = int(os.environ.get("TEST_BUCKET_BYTES", cfg.rollout.weight_bucket_mb << 20))
-    result: dict = {"gaps": {}, "sync": []}
+    result: dict = {"gaps": {}, "sync": [], "replicas": engines.num_replicas,
+                    "describe": engines.describe()}
 
     def sync(how=None):
         stream = iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=bucket)
         if how:
             stream = corrupt(stream, how, learner.spec)
-        stats, err = push_weights(engine, stream)
+        stats, err = engines.update_weights(stream)
         if stats is not None:
             result["sync"].append({"tensors": stats.num_tensors, "bytes": stats.num_bytes})
         return err or None
@@ -65,11 +67,14 @@ def main() -> None:
         spec = SamplingSpec(n=1 if greedy else 2, max_new_tokens=12,
                             temperature=0.0 if greedy else cfg.rollout.temperature, seed=0)
         samples = []
+        generated = engines.generate(PROMPTS, spec)
         if rank0:
-            for i, gens in enumerate(engine.generate(PROMPTS, spec)):
+            for i, gens in enumerate(generated):
                 samples += [Sample(0, i, i, tuple(PROMPTS[i]), g.token_ids, g.logprobs,
                                    g.finish_reason, advantage=(1.0 if j == 0 else -1.0))
                             for j, g in enumerate(gens)]
+        if label == "initial":
+            result["initial_samples"] = [list(x.response_ids) for x in samples]
         box = [samples]
         dist.broadcast_object_list(box, src=0)
         batch = to_batch(box[0])
@@ -111,7 +116,7 @@ def main() -> None:
             same.append(gen[0, ids.shape[1]:].tolist()[:len(s.response_ids)] == list(s.response_ids))
         result["greedy_equal"] = same
         (out / "result.json").write_text(json.dumps(result, indent=1))
-        engine.shutdown()
+    engines.shutdown()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,0 +1,165 @@
+"""The engine replicas of a torchrun job, driven collectively from every rank.
+
+Two placements (``rollout.placement``):
+
+- **spmd** (vLLM): every rank hosts one tensor-parallel rank of an engine; ranks
+  ``[r * tp, (r + 1) * tp)`` form replica ``r``. A generation call splits the prompts into one
+  contiguous share per replica; the ranks of a replica all submit that share (vLLM's external
+  launcher runs one scheduler per rank and relies on them seeing the same requests), and the
+  replicas' answers are gathered on rank 0. Weights reach every replica from the learner ranks
+  it shares a process with: the export stream already hands every rank every tensor.
+- **rank0**: one engine on global rank 0; the other ranks take part in the collectives only.
+
+Every method here is collective: all ranks call it, in the same order. Failures are agreed on, so
+that a replica that fails makes every rank raise the same error instead of leaving the others
+waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mugrpo_megatron.config import RolloutConfig
+from mugrpo_megatron.engines import make_engine
+from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agree(error: str) -> str:
+    """The first rank's non-empty error, on every rank ('' when none failed)."""
+    rank, world = _world()
+    if world == 1:
+        return error
+    errors: list = [None] * world
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if not failed:
+        return ""
+    r, e = failed[0]
+    return e if len(failed) == 1 else f"rank {r}: {e} (and {len(failed) - 1} more ranks failed)"
+
+
+def shares(num_prompts: int, num_replicas: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) shares of ``num_prompts`` for each replica, as even as possible."""
+    return [(r * num_prompts // num_replicas, (r + 1) * num_prompts // num_replicas)
+            for r in range(num_replicas)]
+
+
+class EngineFleet:
+    """The job's rollout engines; ``engine`` is this rank's (None where it holds none)."""
+
+    def __init__(self, engine: RolloutEngine | None, *, tensor_parallel: int, spmd: bool):
+        rank, world = _world()
+        self.engine = engine
+        self.spmd = spmd
+        self.tensor_parallel = tensor_parallel
+        self.num_replicas = world // tensor_parallel if spmd else 1
+        self.replica = rank // tensor_parallel if spmd else 0
+        self.is_leader = rank % tensor_parallel == 0 if spmd else rank == 0
+        """Whether this rank hands its replica's answers to rank 0."""
+
+    @classmethod
+    def start(cls, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
+              trust_remote_code: bool = False) -> EngineFleet:
+        """Start the engines of ``cfg.placement`` (collective)."""
+        rank, world = _world()
+        spmd = cfg.spmd and world > 1  # one rank: the plain in-process engine is that replica
+        if spmd:
+            if world % cfg.tensor_parallel:
+                raise ValueError(f"rollout.tensor_parallel: {cfg.tensor_parallel} must divide the "
+                                 f"world size {world} with placement spmd")
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            if torch.cuda.is_available() and local % cfg.tensor_parallel:
+                raise ValueError(f"rollout.tensor_parallel: {cfg.tensor_parallel} must divide "
+                                 f"the {local} ranks per node: an engine replica's tensor-parallel "
+                                 f"group stays within a node")
+        engine, error = None, ""
+        if spmd or rank == 0:
+            try:
+                engine = make_engine(cfg, model_dir, dtype=dtype, max_model_len=max_model_len,
+                                     trust_remote_code=trust_remote_code, spmd=spmd)
+            except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
+                error = f"{type(e).__name__}: {e}"
+        error = _agree(error)
+        if error:
+            if engine is not None:
+                engine.shutdown()
+            raise RuntimeError(f"the rollout engine did not start: {error}")
+        return cls(engine, tensor_parallel=cfg.tensor_parallel, spmd=spmd)
+
+    @property
+    def supports_sleep(self) -> bool:
+        return self.engine is not None and self.engine.supports_sleep
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
+                 ) -> list[list[Generation]] | None:
+        """``sampling.n`` responses per prompt, in prompt order, on rank 0 (None on the others).
+
+        Every rank passes the same prompts. Prompt ``i`` is sampled with seed
+        ``sampling.seed + i * sampling.n`` whichever replica serves it (on engines that seed per
+        request), so the samples do not depend on the number of replicas."""
+        result: list[list[Generation]] | None = None
+        error = ""
+        if self.engine is not None:
+            start, end = shares(len(prompts), self.num_replicas)[self.replica]
+            spec = sampling if sampling.seed is None else \
+                replace(sampling, seed=sampling.seed + start * sampling.n)
+            try:
+                result = self.engine.generate(prompts[start:end], spec) if end > start else []
+            except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
+                error = f"{type(e).__name__}: {e}"
+        error = _agree(error)
+        if error:
+            raise RuntimeError(error)
+        rank, world = _world()
+        if not self.spmd or world == 1:
+            return result if rank == 0 else None
+        parts: list | None = [None] * world if rank == 0 else None
+        dist.gather_object(result if self.is_leader else None, parts, dst=0)
+        if rank != 0:
+            return None
+        return [group for part in parts if part is not None for group in part]
+
+    def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]
+                       ) -> tuple[WeightSyncStats | None, str]:
+        """Load ``weights`` (the export stream, which is itself collective) into this rank's
+        engine; returns (this rank's stats or None, the agreed error or '')."""
+        stats, error = None, ""
+        if self.engine is not None:
+            try:
+                stats = self.engine.update_weights(weights)
+            except Exception as e:  # noqa: BLE001 - agreed on below, raised by the caller
+                error = f"{type(e).__name__}: {e}"
+        for _ in weights:  # ranks without an engine, and one that refused part way, finish the stream
+            pass
+        return stats, _agree(error)
+
+    def sleep(self) -> None:
+        if self.engine is not None:
+            self.engine.sleep()
+
+    def wake(self, weights_only: bool = False) -> None:
+        if self.engine is not None:
+            self.engine.wake(weights_only=weights_only)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def describe(self) -> str:
+        if not self.spmd:
+            return f"one engine on global rank 0 at TP {self.tensor_parallel}"
+        return (f"{self.num_replicas} engine replica(s) at TP {self.tensor_parallel}, "
+                f"one tensor-parallel rank on each torchrun rank")
