@@ -160,7 +160,8 @@ class RolloutConfig(_Section):
     """Size of one bucket of weights streamed from the learner to the engine, in MiB."""
     generate_chunk_prompts: int = 64
     """Prompts per generation call; each chunk is scored and written to the run directory before
-    the next, so a killed run loses at most one chunk of generation."""
+    the next, so a killed run loses at most one chunk of generation. With several engine replicas
+    (placement spmd) each takes an even share of a chunk: keep a share large enough to batch well."""
     eval_samples: int = 1
     """Responses per held-out prompt in evaluation (k of mean@k and pass@k); 1 decodes greedily."""
     mismatch_check_samples: int = 4

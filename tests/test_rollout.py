@@ -48,3 +48,14 @@ def test_store_round_trip(tmp_path):
     assert [x.advantage for x in back] == [x.advantage for x in s]
     assert torch.tensor(back[1].behav_logprobs).tolist() == [-0.5, -1.5]
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_replica_shares_cover_prompts_in_order():
+    from mugrpo_megatron.engines.fleet import shares
+
+    for n, r in [(10, 3), (8, 4), (2, 4), (0, 2), (64, 1)]:
+        s = shares(n, r)
+        assert len(s) == r and s[0][0] == 0 and s[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(s, s[1:]))  # contiguous, in prompt order
+        sizes = [end - start for start, end in s]
+        assert max(sizes) - min(sizes) <= 1, (n, r, sizes)

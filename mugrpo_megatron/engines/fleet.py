@@ -98,10 +98,6 @@ class EngineFleet:
             raise RuntimeError(f"the rollout engine did not start: {error}")
         return cls(engine, tensor_parallel=cfg.tensor_parallel, spmd=spmd)
 
-    @property
-    def supports_sleep(self) -> bool:
-        return self.engine is not None and self.engine.supports_sleep
-
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
                  ) -> list[list[Generation]] | None:
         """``sampling.n`` responses per prompt, in prompt order, on rank 0 (None on the others).
