@@ -105,6 +105,10 @@ class EngineFleet:
         Every rank passes the same prompts. Prompt ``i`` is sampled with seed
         ``sampling.seed + i * sampling.n`` whichever replica serves it (on engines that seed per
         request), so the samples do not depend on the number of replicas."""
+        if self.spmd and self.tensor_parallel > 1 and sampling.seed is None:
+            # each rank of a replica samples on its own; unseeded, they could draw different
+            # tokens and their schedulers would part ways
+            raise ValueError("a seed is needed with engine replicas at TP > 1 (placement spmd)")
         result: list[list[Generation]] | None = None
         error = ""
         if self.engine is not None:
