@@ -59,3 +59,36 @@ def test_replica_shares_cover_prompts_in_order():
         assert all(a[1] == b[0] for a, b in zip(s, s[1:]))  # contiguous, in prompt order
         sizes = [end - start for start, end in s]
         assert max(sizes) - min(sizes) <= 1, (n, r, sizes)
+
+
+def test_sleep_then_wake_weights_first_resumes_each_type_once():
+    """The trainer wakes the weights alone for the sync, then the rest after offloading the
+    learner; engines refuse to resume a memory type twice."""
+    from mugrpo_megatron.engines.base import RolloutEngine
+
+    class Recorder(RolloutEngine):  # the bookkeeping of the base class, not an engine
+        supports_sleep = True
+
+        def __init__(self):
+            self.calls = []
+
+        def _release_memory(self):
+            self.calls.append("release")
+            return {"weights", "kv_cache", "cuda_graph"}
+
+        def _resume_memory(self, tags):
+            self.calls.append(tuple(tags))
+
+        generate = update_weights = shutdown = None
+
+    e = Recorder()
+    e.sleep()
+    e.sleep()  # already asleep: nothing more to release
+    e.wake(weights_only=True)
+    e.wake(weights_only=True)
+    e.wake()
+    e.wake()
+    assert e.calls == ["release", ("weights",), ("cuda_graph", "kv_cache")]
+    e.sleep()
+    e.wake()
+    assert e.calls[-2:] == ["release", ("cuda_graph", "kv_cache", "weights")]

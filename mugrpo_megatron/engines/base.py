@@ -83,13 +83,33 @@ class RolloutEngine(abc.ABC):
         """Load new weights, given as (HF name, full tensor), consumed lazily in one pass; the
         engine's prefix cache is invalidated."""
 
+    _asleep: frozenset[str] = frozenset()
+    """The memory types (engine tags) that sleep() released and wake() has not brought back."""
+
     def sleep(self) -> None:
-        """Release accelerator memory (weights and KV cache) until wake()."""
+        """Release accelerator memory (weights and KV cache) until wake(); a no-op without
+        ``supports_sleep`` or when already asleep."""
+        if self.supports_sleep and not self._asleep:
+            self._asleep = frozenset(self._release_memory())
 
     def wake(self, weights_only: bool = False) -> None:
         """Reclaim accelerator memory released by sleep(). With ``weights_only``, only the
         weights' (to take new weights while the learner still holds its memory); a later
-        ``wake()`` brings back the rest (KV cache) once the learner has stepped aside."""
+        ``wake()`` brings back the rest (KV cache) once the learner has stepped aside. Each type
+        is resumed once (engines refuse to resume one that is not released)."""
+        tags = sorted(self._asleep & {"weights"} if weights_only else self._asleep)
+        if tags:
+            self._resume_memory(tags)
+            self._asleep = self._asleep - set(tags)
+
+    def _release_memory(self) -> set[str]:
+        """Release every type of accelerator memory; returns the tags wake() resumes them by.
+        Engines with ``supports_sleep`` implement it."""
+        raise NotImplementedError
+
+    def _resume_memory(self, tags: list[str]) -> None:
+        """Take back the memory types ``tags``."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def shutdown(self) -> None:

@@ -1,7 +1,7 @@
 """SGLang backend: ``sglang.Engine`` with behaviour log-probs and in-place weight updates.
 
 The engine runs its scheduler in its own processes (SGLang always does); it is created on global
-rank 0 like the vLLM backend. Weights arrive as (HF name, tensor) and are handed to
+rank 0 alone (``rollout.placement`` rank0). Weights arrive as (HF name, tensor) and are handed to
 ``update_weights_from_tensor`` in buckets inside ``begin_weight_update()`` /
 ``end_weight_update()`` (which lets SGLang finalise quantized or repacked weights once), then the
 radix (prefix) cache is flushed. On a GPU the tensors travel as CUDA IPC handles; on CPU they are
@@ -90,7 +90,6 @@ class SGLangEngine(RolloutEngine):
         with torch_state_kept():
             self.engine = sglang.Engine(**kwargs)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
-        self._asleep: set[str] = set()  # memory types released and not yet resumed
         self._bucket_bytes = cfg.weight_bucket_mb << 20
         # SGLang's scheduler dies on a tensor of the wrong shape and takes this process with it
         # (SIGQUIT to its parent); check each tensor against the checkpoint first and refuse.
@@ -165,17 +164,12 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the engine's "
                              f"checkpoint {want} (a padded vocabulary or a wrong split?)")
 
-    def sleep(self) -> None:
-        if self.supports_sleep and not self._asleep:
-            self.engine.release_memory_occupation()  # every type: weights, KV cache, CUDA graphs
-            self._asleep = {"weights", "kv_cache", "cuda_graph"}
+    def _release_memory(self) -> set[str]:
+        self.engine.release_memory_occupation()  # every type: weights, KV cache, CUDA graphs
+        return {"weights", "kv_cache", "cuda_graph"}
 
-    def wake(self, weights_only: bool = False) -> None:
-        # SGLang refuses to resume a type twice, so name exactly the ones still released
-        tags = sorted(self._asleep & {"weights"} if weights_only else self._asleep)
-        if tags:
-            self.engine.resume_memory_occupation(tags=tags)
-            self._asleep -= set(tags)
+    def _resume_memory(self, tags: list[str]) -> None:
+        self.engine.resume_memory_occupation(tags=tags)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

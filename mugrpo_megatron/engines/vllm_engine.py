@@ -143,7 +143,6 @@ class VLLMEngine(RolloutEngine):
         with _learner_world(private=not spmd), torch_state_kept():
             self.llm = LLM(**kwargs)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
-        self._asleep: set[str] = set()  # what sleep() released and wake() has not brought back
         self._broken = ""
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
@@ -200,16 +199,12 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
         return WeightSyncStats(counted["tensors"], counted["bytes"], time.perf_counter() - t0)
 
-    def sleep(self) -> None:
-        if self.supports_sleep and not self._asleep:
-            self.llm.sleep(level=1)  # weights to host memory, KV cache dropped
-            self._asleep = {"weights", "kv_cache"}
+    def _release_memory(self) -> set[str]:
+        self.llm.sleep(level=1)  # weights to host memory, KV cache dropped
+        return {"weights", "kv_cache"}
 
-    def wake(self, weights_only: bool = False) -> None:
-        tags = sorted(self._asleep & {"weights"} if weights_only else self._asleep)
-        if tags:
-            self.llm.wake_up(tags=tags)
-            self._asleep -= set(tags)
+    def _resume_memory(self, tags: list[str]) -> None:
+        self.llm.wake_up(tags=tags)
 
     def shutdown(self) -> None:
         import gc
