@@ -36,9 +36,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     a, r = cfg.algo, cfg.rollout
     samples = a.prompts_per_phase * r.group_size
     print(f"world size {args.world_size}: TP {cfg.parallel.tensor} x PP {cfg.parallel.pipeline} "
-          f"x DP {dp}; engine {r.engine} at TP {r.tensor_parallel}, "
-          + (f"{args.world_size // r.tensor_parallel} replicas on the learner's ranks"
-             if r.spmd and args.world_size > 1 else "one replica on global rank 0"))
+          f"x DP {dp}; {r.describe_placement(args.world_size)}")
     print(f"{a.num_phases} phases x mu={a.updates_per_phase} updates = {a.total_updates} updates, "
           f"{a.num_phases} weight syncs")
     print(f"each phase: {a.prompts_per_phase} prompts x G={r.group_size} = {samples} responses; "

@@ -196,6 +196,25 @@ class RolloutConfig(_Section):
         """Whether every rank hosts an engine rank (``placement``, with 'auto' resolved)."""
         return self.engine == "vllm" and self.placement in ("auto", "spmd")
 
+    def spmd_replicas(self, world_size: int) -> int:
+        """Engine replicas spread over a job of ``world_size`` ranks; 0 when the job's one engine
+        runs on rank 0 alone (placement rank0, or spmd with one rank, where the plain in-process
+        engine is that replica). ValueError if the replicas do not tile the ranks."""
+        if not self.spmd or world_size == 1:
+            return 0
+        if world_size % self.tensor_parallel:
+            raise ValueError(f"rollout.tensor_parallel: {self.tensor_parallel} must divide the "
+                             f"world size {world_size} with placement spmd (each engine replica "
+                             f"spans {self.tensor_parallel} ranks)")
+        return world_size // self.tensor_parallel
+
+    def describe_placement(self, world_size: int) -> str:
+        n = self.spmd_replicas(world_size)
+        if n:
+            return (f"{n} {self.engine} replica(s) at TP {self.tensor_parallel}, one engine TP rank "
+                    f"on every rank")
+        return f"one {self.engine} engine at TP {self.tensor_parallel}, on global rank 0"
+
 
 @dataclass(frozen=True)
 class AlgoConfig(_Section):
@@ -424,11 +443,7 @@ class Config:
     def check_world_size(self, world_size: int) -> int:
         """Validate the layout for ``world_size`` processes; returns the data-parallel size."""
         dp = self.parallel.data_parallel(world_size)
-        tp = self.rollout.tensor_parallel
-        if self.rollout.spmd and world_size % tp:
-            raise ValueError(f"rollout.tensor_parallel: {tp} must divide the world size "
-                             f"{world_size} with placement spmd (each engine replica spans "
-                             f"{tp} ranks)")
+        self.rollout.spmd_replicas(world_size)
         per_step = dp * self.parallel.micro_batch_size
         if self.algo.samples_per_update % per_step:
             raise ValueError(

@@ -108,9 +108,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"layout: world {world_size} = TP {p.tensor} x PP {p.pipeline}"
         + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else "")
         + f" x DP {e['dp']}; sequence parallel {p.sequence_parallel}; distributed optimizer "
-          f"{p.distributed_optimizer}; engine {r.engine} at TP {r.tensor_parallel} "
-          + (f"({world_size // r.tensor_parallel} replicas, one TP rank on every rank)"
-             if r.spmd and world_size > 1 else "(one replica, started by global rank 0)"),
+          f"{p.distributed_optimizer}; {r.describe_placement(world_size)}",
         f"schedule: {a.num_phases} phases x mu={a.updates_per_phase} = {a.total_updates} updates; "
         f"{a.prompts_per_phase} prompts x G={r.group_size} per phase; {a.samples_per_update} "
         f"responses per update in microbatches of {p.micro_batch_size}",

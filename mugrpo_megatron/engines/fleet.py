@@ -59,26 +59,25 @@ def shares(num_prompts: int, num_replicas: int) -> list[tuple[int, int]]:
 class EngineFleet:
     """The job's rollout engines; ``engine`` is this rank's (None where it holds none)."""
 
-    def __init__(self, engine: RolloutEngine | None, *, tensor_parallel: int, spmd: bool):
+    def __init__(self, engine: RolloutEngine | None, cfg: RolloutConfig):
         rank, world = _world()
         self.engine = engine
-        self.spmd = spmd
-        self.tensor_parallel = tensor_parallel
-        self.num_replicas = world // tensor_parallel if spmd else 1
-        self.replica = rank // tensor_parallel if spmd else 0
-        self.is_leader = rank % tensor_parallel == 0 if spmd else rank == 0
+        self.tensor_parallel = cfg.tensor_parallel
+        spread = cfg.spmd_replicas(world)
+        self.spmd = spread > 0
+        self.num_replicas = spread or 1
+        self.replica = rank // cfg.tensor_parallel if self.spmd else 0
+        self.is_leader = rank % cfg.tensor_parallel == 0 if self.spmd else rank == 0
         """Whether this rank hands its replica's answers to rank 0."""
+        self._description = cfg.describe_placement(world)
 
     @classmethod
     def start(cls, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
               trust_remote_code: bool = False) -> EngineFleet:
         """Start the engines of ``cfg.placement`` (collective)."""
         rank, world = _world()
-        spmd = cfg.spmd and world > 1  # one rank: the plain in-process engine is that replica
+        spmd = cfg.spmd_replicas(world) > 0
         if spmd:
-            if world % cfg.tensor_parallel:
-                raise ValueError(f"rollout.tensor_parallel: {cfg.tensor_parallel} must divide the "
-                                 f"world size {world} with placement spmd")
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             if torch.cuda.is_available() and local % cfg.tensor_parallel:
                 raise ValueError(f"rollout.tensor_parallel: {cfg.tensor_parallel} must divide "
@@ -96,7 +95,7 @@ class EngineFleet:
             if engine is not None:
                 engine.shutdown()
             raise RuntimeError(f"the rollout engine did not start: {error}")
-        return cls(engine, tensor_parallel=cfg.tensor_parallel, spmd=spmd)
+        return cls(engine, cfg)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
                  ) -> list[list[Generation]] | None:
@@ -159,7 +158,4 @@ class EngineFleet:
             self.engine = None
 
     def describe(self) -> str:
-        if not self.spmd:
-            return f"one engine on global rank 0 at TP {self.tensor_parallel}"
-        return (f"{self.num_replicas} engine replica(s) at TP {self.tensor_parallel}, "
-                f"one tensor-parallel rank on each torchrun rank")
+        return self._description
