@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from mugrpo_megatron.learner.hf_config import ModelSpec
 from mugrpo_megatron.learner.mapping import ParamMap, hf_from_shards, tp_split_dim
-from mugrpo_megatron.learner.model import named_hf_params
+from mugrpo_megatron.learner.model import expert_offset, named_hf_params
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
@@ -102,7 +102,7 @@ class _ExpertGroups:
     def __init__(self, spec: ModelSpec):
         self.size = mpu.get_expert_model_parallel_world_size() if spec.is_moe else 1
         self.local = spec.num_experts // self.size if spec.is_moe else 0
-        self.offset = mpu.get_expert_model_parallel_rank() * self.local if spec.is_moe else 0
+        self.offset = expert_offset(spec)
 
     def names(self, pm: ParamMap) -> list[tuple[str, ...]]:
         """HF names of ``pm`` on every expert-parallel rank, in rank order (just its own for a
