@@ -233,14 +233,16 @@ def engine_section(path: Path, state: dict, args) -> dict:
         n_tok = sum(len(x.token_ids) for group in gens for x in group)
         out["generate"] = {"seconds": seconds, "tokens": n_tok, "tokens_per_s": n_tok / seconds,
                            "prompts": len(prompts), "group_size": args.group}
-        samples = [Sample(0, i, i, tuple(prompts[i]), x.token_ids, x.logprobs, x.finish_reason)
-                   for i, group in enumerate(gens) for x in group[:1]][:args.samples]
-        samples = samples[:len(samples) - len(samples) % args.micro] or samples[:1]
-        batch = to_batch(samples)
-        logp, _ = learner.logprobs(batch)
-        gap = logprob_gap(logp, batch)
-        out["logprob_gap"] = {"dtype": cfg.model.dtype, "mean": gap.mean, "max": gap.max,
-                              "tokens": gap.num_tokens}
+
+        def gap_of(gens) -> dict:
+            """The learner's log-probs of each prompt's first sample against the engine's."""
+            samples = [Sample(0, i, i, tuple(prompts[i]), x.token_ids, x.logprobs, x.finish_reason)
+                       for i, group in enumerate(gens) for x in group[:1]][:args.samples]
+            batch = to_batch(samples[:len(samples) - len(samples) % args.micro] or samples[:1])
+            gap = logprob_gap(learner.logprobs(batch)[0], batch)
+            return {"mean": gap.mean, "max": gap.max, "tokens": gap.num_tokens}
+
+        out["logprob_gap"] = {"dtype": cfg.model.dtype, **gap_of(gens)}
         if engine.supports_sleep:
             t0 = time.perf_counter()
             engine.sleep()
@@ -255,10 +257,7 @@ def engine_section(path: Path, state: dict, args) -> dict:
             out["wake_s"] = time.perf_counter() - t0
             # the weights survived the round trip: the engine's samples still match the learner
             again = engine.generate(prompts[:args.micro], SamplingSpec(n=1, max_new_tokens=16))
-            batch = to_batch([Sample(0, i, i, tuple(prompts[i]), g[0].token_ids, g[0].logprobs,
-                                     g[0].finish_reason) for i, g in enumerate(again)])
-            gap = logprob_gap(learner.logprobs(batch)[0], batch)
-            out["logprob_gap_after_wake"] = {"mean": gap.mean, "max": gap.max}
+            out["logprob_gap_after_wake"] = gap_of(again)
         else:
             out["sleep"] = "not supported here (no GPU)"
     finally:
