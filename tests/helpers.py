@@ -46,3 +46,19 @@ def load_run(out: Path) -> dict:
             "weights": load_file(str(out / "weights.safetensors")),
             "grads": load_file(str(out / "grads.safetensors")),
             **json.loads((out / "result.json").read_text())}
+
+
+def cli_under_torchrun(nproc: int, *args: str) -> list[str]:
+    """The command line of ``python -m mugrpo_megatron ARGS`` under torchrun with ``nproc`` ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", "-m", "mugrpo_megatron", *args]
+
+
+def set_args(sets: dict) -> list[str]:
+    """``--set key=value`` for every item of ``sets``."""
+    return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+
+
+def records(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict per line."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

