@@ -22,7 +22,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
 
     Groups are consecutive runs of ``group_size`` elements of ``rewards`` (flattened). The std is
     the sample std (Bessel-corrected), as verl and TRL compute it. A group whose rewards are all
-    equal (including ``group_size == 1``) carries no signal and gets exactly zero.
+    equal (including ``group_size == 1``) carries no signal and gets exactly zero. The result is
+    finite: non-finite rewards, or rewards so large that their variance overflows, raise ValueError.
     Returns a float tensor with the shape of ``rewards``.
     """
     if group_size < 1:
@@ -32,6 +33,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
             f"number of rewards ({rewards.numel()}) is not a multiple of group_size ({group_size})"
         )
     r_gk = rewards.reshape(-1, group_size).to(torch.float64)
+    if not torch.isfinite(r_gk).all():
+        bad = int((~torch.isfinite(r_gk)).any(dim=1).nonzero()[0])
+        raise ValueError(f"group {bad} has a non-finite reward: {r_gk[bad].tolist()}")
     mean_g = r_gk.mean(dim=1, keepdim=True)
     if group_size > 1:
         std_g = r_gk.std(dim=1, keepdim=True)
@@ -40,6 +44,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     adv_gk = (r_gk - mean_g) / (std_g + eps)
     uniform_g = (r_gk.amax(dim=1, keepdim=True) == r_gk.amin(dim=1, keepdim=True))
     adv_gk = torch.where(uniform_g, torch.zeros_like(adv_gk), adv_gk)
+    if not torch.isfinite(adv_gk).all():  # the squares of rewards near 1e154 overflow
+        bad = int((~torch.isfinite(adv_gk)).any(dim=1).nonzero()[0])
+        raise ValueError(f"group {bad}: rewards {r_gk[bad].tolist()} are too large to normalise")
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     return adv_gk.reshape(rewards.shape).to(out_dtype)
 

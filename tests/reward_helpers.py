@@ -22,3 +22,10 @@ def slow_digits_reward(completion: str, answer: str) -> float:
     test can kill a run while it scores."""
     time.sleep(0.15)
     return float(sum(ch.isdigit() for ch in completion) >= 2)
+
+
+def echo_reward(completion: str, answer: str):
+    """Returns the Python value the completion spells, whatever its type (for range checks)."""
+    import ast
+
+    return float(completion) if completion.endswith("inf") else ast.literal_eval(completion)

@@ -112,3 +112,31 @@ def test_example_reward_plugs_in_by_dotted_path():
                        num_workers=1)
     with RewardScorer(cfg) as scorer:
         assert scorer.score(["work\n42", "42\nmore"], ["42", "42"]).rewards == [1.0, 0.0]
+
+
+def test_extraction_is_linear_and_a_correct_answer_survives_junk():
+    """Defect: each unclosed box rescanned the rest of the completion (quadratic), so a degenerate
+    response burned the whole time limit and a correct answer before the junk scored 0."""
+    junk = "\\boxed{" * 50_000
+    t0 = time.perf_counter()
+    assert extract_answer("so \\boxed{5} " + junk) == "5"  # the last complete box
+    assert extract_answer(junk) is None
+    assert extract_answer(junk + "#### 7") == "7"  # no complete box: the #### anchor
+    assert time.perf_counter() - t0 < 1.0
+    assert math_reward("so \\boxed{5} " + junk, "5") == 1.0
+    assert extract_answer("\\boxed{\\boxed{3}}") == "3" and extract_answer("} \\boxed {2}}") == "2"
+    assert extract_answer("\\boxed{a{b}") is None and extract_answer("\\boxedx{4}") is None
+
+
+def test_rewards_out_of_range_or_not_numbers_are_counted_errors():
+    """Defect: 1e308 gave NaN advantages and 1e200 all-zero ones, silently; strings and booleans
+    were coerced to numbers."""
+    cfg = RewardConfig(name="reward_helpers:echo_reward", timeout_s=5.0, num_workers=1)
+    cases = ["1e308", "1e200", "-inf", "'1.0'", "True", "None", "0.5", "3", "-1000000.0"]
+    with RewardScorer(cfg) as scorer:
+        out = scorer.score(cases, [""] * len(cases))
+    assert out.rewards == [0.0] * 6 + [0.5, 3.0, -1e6]
+    assert out.num_errors == 6
+    assert "response 0: ValueError: reward is 1e+308, outside +-1e+06" in out.errors[0]
+    assert "response 3: ValueError: reward must be a number, got str '1.0'" in out.errors[3]
+    assert "got bool 'True'" in out.errors[4]

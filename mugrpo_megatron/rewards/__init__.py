@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import math
 import multiprocessing
+import numbers
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -69,7 +70,8 @@ class RewardOutcome:
     num_timeouts: int = 0
     """Responses whose scoring passed reward.timeout_s and was killed."""
     num_errors: int = 0
-    """Responses whose reward function raised or returned a non-finite value."""
+    """Responses whose reward function raised, or returned something other than a finite number
+    within reward.max_abs_reward (a string, a bool, NaN, 1e308...)."""
     errors: list[str] = field(default_factory=list)
     """The first few error messages, with the response index."""
 
@@ -98,10 +100,7 @@ class RewardScorer:
         out = RewardOutcome(rewards=[0.0] * len(futures))
         for i, fut in enumerate(futures):
             try:
-                value = float(fut.result())
-                if not math.isfinite(value):
-                    raise ValueError(f"reward is {value}")
-                out.rewards[i] = value
+                out.rewards[i] = self._checked(fut.result())
             except FutureTimeout:
                 out.num_timeouts += 1
                 self._note(out, f"response {i}: scoring took over {self.cfg.timeout_s} s, scored 0")
@@ -111,6 +110,18 @@ class RewardScorer:
             if on_done is not None:
                 on_done(1)
         return out
+
+    def _checked(self, value: object) -> float:
+        """A reward function's return value as a float; ValueError (a counted reward error) unless
+        it is a real number (not a bool or a string) within +-reward.max_abs_reward."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"reward must be a number, got {type(value).__name__} "
+                             f"{str(value)[:50]!r}")
+        value = float(value)
+        if not math.isfinite(value) or abs(value) > self.cfg.max_abs_reward:
+            raise ValueError(f"reward is {value}, outside +-{self.cfg.max_abs_reward:g} "
+                             f"(reward.max_abs_reward)")
+        return value
 
     def _note(self, out: RewardOutcome, message: str) -> None:
         if len(out.errors) < self.max_error_messages:
