@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -362,11 +363,15 @@ class RewardConfig(_Section):
     """Processes scoring responses in parallel."""
     max_answer_chars: int = 1000
     """Longest extracted answer passed to the verifier; longer ones score 0 without parsing."""
+    max_abs_reward: float = 1e6
+    """Largest |reward| accepted. A reward function that returns more, or anything but a real
+    number (a string, a bool, NaN), scores 0 and is counted as a reward error; this keeps the
+    group statistics of the advantages finite."""
 
     def __post_init__(self) -> None:
         if not self.name:
             self._fail("name", "must be a registered name or a dotted path")
-        self._positive("timeout_s", "num_workers", "max_answer_chars")
+        self._positive("timeout_s", "num_workers", "max_answer_chars", "max_abs_reward")
 
 
 @dataclass(frozen=True)
@@ -461,8 +466,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Build a Config from a YAML file (or the defaults) and ``key.sub=value`` overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
-        text = Path(path).read_text()
-        raw = yaml.safe_load(text) or {}
+        if not Path(path).is_file():
+            raise ValueError(f"--config: {path}: " + ("is a directory, not a YAML file"
+                             if Path(path).is_dir() else "no such file"))
+        try:
+            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text (byte {e.start}): is it a YAML file?") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}: line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+            what = getattr(e, "problem", None) or str(e)
+            raise ValueError(f"{where}: not valid YAML: {what}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
     for item in overrides:
@@ -545,14 +560,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ValueError(f"{key}: must be an integer, got {value!r}")
         return value
     if tp is float:
+        number = value
         if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise ValueError(f"{key}: must be a number, got {value!r}")
-        return float(value)
+        if not math.isfinite(number):  # no setting means "unbounded" by inf, nor anything by nan
+            raise ValueError(f"{key}: must be a finite number, got {value!r}")
+        return float(number)
     if tp is str:
         if not isinstance(value, str):
             raise ValueError(f"{key}: must be a string, got {value!r}")

@@ -57,6 +57,9 @@ def test_yaml_and_overrides(tmp_path):
     ("parallel.virtual_pipeline=2", r"parallel\.virtual_pipeline: needs parallel\.pipeline >= 2"),
     ("model.trust_remote_code=yes please", r"model\.trust_remote_code: must be true or false"),
     ("data.on_bad_row=ignore", r"data\.on_bad_row: must be one of \['error', 'skip'\]"),
+    ("algo.clip_high=inf", r"algo\.clip_high: must be a finite number, got 'inf'"),
+    ("reward.timeout_s=.inf", r"reward\.timeout_s: must be a finite number, got inf"),
+    ("optim.lr=nan", r"optim\.lr: must be a finite number, got 'nan'"),
     ("optim.min_lr=1", r"optim\.min_lr: must be <= optim\.lr"),
     ("algo=3", r"algo: expected a mapping, got 3"),
     ("algo.samples_per_update=100000", r"algo\.samples_per_update: 100000 is more than a phase"),
@@ -103,3 +106,16 @@ def test_engine_placement():
     assert cfg.check_world_size(8) == 8
     with pytest.raises(ValueError, match=r"rollout\.tensor_parallel: 4 must divide the world size 6"):
         cfg.check_world_size(6)
+
+
+def test_config_file_errors_name_the_file_and_line(tmp_path):
+    """Defect: YAML that does not parse, or a missing file, ended in a raw traceback."""
+    with pytest.raises(ValueError, match=r"--config: .*nope\.yaml: no such file"):
+        load_config(tmp_path / "nope.yaml")
+    p = tmp_path / "bad.yaml"
+    p.write_text("algo:\n  clip_high: 4.0\n rollout: [\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml: line 3, column 2: not valid YAML"):
+        load_config(p)
+    p.write_bytes(b"algo:\n  clip_high: \xff\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml: not UTF-8 text"):
+        load_config(p)
