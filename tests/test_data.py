@@ -102,7 +102,7 @@ def test_bad_rows_skipped_and_counted(tmp_path, tokenizer):
 def test_file_level_errors(tmp_path, tokenizer):
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"question": "a", "answer": "1"}\n{"question": "b", "answer": "2"\n')
-    with pytest.raises(ValueError, match=r"broken\.jsonl: line 2: invalid JSON"):
+    with pytest.raises(ValueError, match=r"broken\.jsonl: row 1 \(line 2\): invalid JSON"):
         load_prompts(DataConfig(path=str(broken)), tokenizer)
     with pytest.raises(ValueError, match=r"data\.path: file not found: .*nope\.jsonl"):
         load_prompts(DataConfig(path=str(tmp_path / "nope.jsonl")), tokenizer)
@@ -119,3 +119,39 @@ def test_file_level_errors(tmp_path, tokenizer):
 def test_gold_answer():
     assert gold_answer("so 3 + 4 = 7.\n#### 7") == "7"
     assert gold_answer(" \\frac{1}{2} ") == "\\frac{1}{2}"
+
+
+def test_weak_messages_name_the_file_and_line(tmp_path, tokenizer):
+    """Defects: non-UTF-8 data, an empty file, malformed JSON under on_bad_row=skip, line numbers
+    after blank lines, NaN gold answers in parquet."""
+    good = json.dumps({"question": "What is 1?", "answer": "1"})
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join([good.encode(), b"", b"\xff\xfe not utf-8", b"",
+                                 b'{"question": "broken"', b"[1, 2]", good.encode(), b""]))
+    with pytest.raises(ValueError, match=r"mixed\.jsonl: row 1 \(line 3\): not UTF-8 text"):
+        load_prompts(DataConfig(path=str(path)), tokenizer)
+    prompts, report = load_prompts(DataConfig(path=str(path), on_bad_row="skip"), tokenizer)
+    assert len(prompts) == 2 and report.num_rows == 5
+    assert report.skipped == {"not UTF-8": 1, "invalid JSON": 1, "not an object": 1}
+    assert "row 2 (line 5): invalid JSON" in report.examples[1]
+    assert "row 3 (line 6): expected a JSON object, got list" in report.examples[2]
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(f"\n\n{good}\n\n" + json.dumps({"question": "x", "answer": ""}) + "\n")
+    with pytest.raises(ValueError, match=r"blank\.jsonl: row 1 \(line 5\): field 'answer' is empty"):
+        load_prompts(DataConfig(path=str(blank)), tokenizer)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"data\.path: .*empty\.jsonl is empty"):
+        load_prompts(DataConfig(path=str(empty)), tokenizer)
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match=r"data\.path: .*empty\.jsonl has no rows"):
+        load_prompts(DataConfig(path=str(empty)), tokenizer)
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'[{"question": "caf\xe9", "answer": "1"}]')
+    with pytest.raises(ValueError, match=r"cannot read .*latin\.json: not UTF-8 text at line 1"):
+        load_prompts(DataConfig(path=str(latin)), tokenizer)
+    nan = tmp_path / "nan.parquet"
+    pq.write_table(pa.table({"question": ["What is 1?", "What is 2?"], "answer": [1.0, float("nan")]}),
+                   nan)
+    with pytest.raises(ValueError, match=r"nan\.parquet: row 1: field 'answer' is nan"):
+        load_prompts(DataConfig(path=str(nan)), tokenizer)
