@@ -65,3 +65,44 @@ def test_unknown_checkpoint_is_refused(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "has no hf_config/config.json" in proc.stderr
+
+
+def cli(*args):
+    """The CLI in one plain process (refusals happen before any process group is made)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "mugrpo_megatron", *map(str, args)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_outputs_are_never_destroyed(tmp_path):
+    """Defect 1: convert --to megatron deleted --out recursively, the source model too when --out
+    was --hf-dir. Defect 2: convert --to hf into an HF directory wrote an index beside the old
+    model.safetensors, so transformers and vLLM loaded different weights."""
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=2, vocab_size=400)
+    original = read_hf(hf)
+    for out in (hf, tmp_path):  # the source itself, or a directory holding it
+        proc = cli("convert", "--to", "megatron", "--hf-dir", hf, "--out", out, "--overwrite")
+        assert proc.returncode == 2 and "is or contains the input" in proc.stderr, proc.stderr
+    assert read_hf(hf).keys() == original.keys() and (hf / "config.json").is_file()
+
+    meg = tmp_path / "meg"
+    meg.mkdir()
+    (meg / "notes.txt").write_text("mine")
+    proc = cli("convert", "--to", "megatron", "--hf-dir", hf, "--out", meg)
+    assert proc.returncode == 2 and "Pass --overwrite to replace it" in proc.stderr, proc.stderr
+    assert (meg / "notes.txt").read_text() == "mine"
+    convert(1, "--to", "megatron", "--hf-dir", str(hf), "--out", str(meg), "--overwrite")
+    assert not (meg / "notes.txt").exists() and (meg / "state.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "meg"]  # no staging left behind
+
+    other = make_tiny_checkpoint(tmp_path / "other", "llama", seed=7, vocab_size=400)
+    assert (other / "model.safetensors").is_file()
+    proc = cli("convert", "--to", "hf", "--checkpoint", meg, "--out", other)
+    assert proc.returncode == 2 and "non-empty directory" in proc.stderr, proc.stderr
+    convert(1, "--to", "hf", "--checkpoint", str(meg), "--out", str(other), "--overwrite")
+    assert not (other / "model.safetensors").exists()  # replaced whole: no stale weights beside
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(other).state_dict()
+    for name, t in original.items():
+        assert torch.equal(loaded[name], t), name

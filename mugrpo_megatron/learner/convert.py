@@ -1,39 +1,30 @@
 """Checkpoint conversion, both directions, in any TP/PP layout (launch through torchrun for N > 1).
 
 - HF -> Megatron: each rank reads its shards from the safetensors files and the model is saved with
-  megatron-core's distributed checkpointing (model only), with the HF config and tokenizer files
-  kept beside it under ``hf_config/`` so the checkpoint knows its architecture.
+  megatron-core's distributed checkpointing (model only, ``checkpoint.save_checkpoint``), with the
+  HF config and tokenizer files kept beside it under ``hf_config/`` so the checkpoint knows its
+  architecture.
 - Megatron -> HF: the model is loaded into the current layout and streamed out one tensor at a
   time as safetensors shards (see ``export.save_hf_checkpoint``).
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
 
 from mugrpo_megatron.config import ModelConfig, ParallelConfig
-from mugrpo_megatron.learner.checkpoint import load_model_state, model_sharded_state
-from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
-from mugrpo_megatron.learner.export import TOKENIZER_FILES, iter_hf_tensors, save_hf_checkpoint
+from mugrpo_megatron.learner.checkpoint import (
+    HF_CONFIG_DIR,
+    load_model_state,
+    model_sharded_state,
+    save_checkpoint,
+)
+from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.hf_config import read_model_spec
 from mugrpo_megatron.learner.model import build_chunks, init_parallel, load_hf_weights
-
-HF_CONFIG_DIR = "hf_config"
-
-
-def keep_hf_config(source: Path, ckpt: Path) -> None:
-    """Copy config.json and tokenizer files next to a Megatron checkpoint (rank 0 only)."""
-    out = ckpt / HF_CONFIG_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", *TOKENIZER_FILES):
-        if (source / name).is_file():
-            shutil.copy2(source / name, out / name)
 
 
 def _for_weights(parallel: ParallelConfig, spec) -> ParallelConfig:
@@ -45,25 +36,19 @@ def _for_weights(parallel: ParallelConfig, spec) -> ParallelConfig:
 
 
 def hf_to_megatron(hf_dir: Path, out: Path, parallel: ParallelConfig, dtype: str) -> None:
+    """Collective. ``out`` is written whole beside itself and renamed into place (the caller
+    checked that it may be replaced: ``outputs.check_destination``)."""
     spec = read_model_spec(hf_dir)
     parallel = _for_weights(parallel, spec)
     layout = init_parallel(parallel, seed=0)
     chunks = build_chunks(spec, ModelConfig(path=str(hf_dir), dtype=dtype), parallel)
     load_hf_weights(chunks, spec, hf_dir, layout.tp_rank, layout.tp_size)
-    if dist.get_rank() == 0:
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir(parents=True)
-    dist.barrier()
-    with megatron_on_cpu():
-        dist_checkpointing.save(model_sharded_state(chunks), str(out))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        keep_hf_config(hf_dir, out)
-        (out / "state.json").write_text(json.dumps({"model_only": True, "dtype": dtype}))
-    dist.barrier()
+    save_checkpoint(model_sharded_state(chunks), out, hf_source=hf_dir,
+                    state={"model_only": True, "dtype": dtype})
 
 
 def megatron_to_hf(ckpt: Path, out: Path, parallel: ParallelConfig, dtype: str) -> None:
+    """Collective; ``out`` is replaced as a whole once written (see ``export.save_hf_checkpoint``)."""
     hf_config = ckpt / HF_CONFIG_DIR
     if not (hf_config / "config.json").is_file():
         raise ValueError(f"--checkpoint: {ckpt} has no {HF_CONFIG_DIR}/config.json; it was not "
@@ -76,4 +61,3 @@ def megatron_to_hf(ckpt: Path, out: Path, parallel: ParallelConfig, dtype: str) 
     save_hf_checkpoint(iter_hf_tensors(chunks, spec), out, hf_config, write=dist.get_rank() == 0,
                        dtype=dtype)
     dist.barrier()
-

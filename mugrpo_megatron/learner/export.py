@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
 
+from mugrpo_megatron import outputs
 from mugrpo_megatron.learner.hf_config import ModelSpec
 from mugrpo_megatron.learner.mapping import ParamMap, hf_from_shards, tp_split_dim
 from mugrpo_megatron.learner.model import expert_offset, named_hf_params
@@ -186,10 +187,11 @@ def save_hf_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str
                        max_shard_bytes: int = 2 << 30) -> None:
     """Write streamed tensors as safetensors shards with an index, plus config and tokenizer files
     copied from ``source_dir``. Collective: every rank consumes the stream; only ``write`` ranks
-    touch the disk."""
-    out = Path(out_dir)
-    if write:
-        out.mkdir(parents=True, exist_ok=True)
+    touch the disk. The checkpoint is written whole beside ``out_dir`` and renamed into place
+    (``outputs.commit``), replacing what is there: callers check the destination first
+    (``outputs.check_destination``)."""
+    final_out = Path(out_dir)
+    out = outputs.begin(final_out) if write else final_out
     shard: dict[str, torch.Tensor] = {}
     size = 0
     files: list[list[str]] = []
@@ -228,6 +230,12 @@ def save_hf_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str
     config = json.loads((src / "config.json").read_text())
     config["torch_dtype"] = config["dtype"] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    copy_tokenizer(src, out)
+    outputs.commit(final_out, out)
+
+
+def copy_tokenizer(source: Path, out: Path) -> None:
+    """The tokenizer files of the HF checkpoint ``source`` that exist, copied into ``out``."""
     for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, out / name)
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
