@@ -3,14 +3,17 @@
 Model and optimizer state are saved as sharded tensors (``torch_dist`` format) so that a run can
 resume with another TP/PP/DP layout; the distributed optimizer uses its "fully_reshardable"
 layout for the same reason. The LR scheduler, the phase/update counters and the RNG state go to a
-small JSON file (no pickles). A checkpoint directory is complete once ``state.json`` exists: it is
-written last, after every rank finished writing tensors.
+small JSON file (no pickles of ours). A checkpoint directory is complete once ``state.json``
+exists: it is written last, after every rank finished writing tensors, and the directory is
+renamed into place only then. Every load first checks the directory (``ckpt_verify``): complete,
+not truncated, and no pickle in it that could run code.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +21,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from mugrpo_megatron import outputs
+from mugrpo_megatron.learner.ckpt_verify import verify_checkpoint
 from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
+from mugrpo_megatron.learner.export import copy_tokenizer
 
 _OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+HF_CONFIG_DIR = "hf_config"
+"""The HF config and tokenizer files kept inside a checkpoint."""
+STATE_FILE = "state.json"
+"""Counters, LR schedule and flags; written last, so its presence marks a complete checkpoint."""
 
 
 def model_sharded_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
@@ -31,6 +41,7 @@ def model_sharded_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
 
 def load_model_state(chunks: list[torch.nn.Module], path: Path) -> None:
     """Load the model part of a Megatron checkpoint (full or model-only) into ``chunks``."""
+    _verified(path)
     with megatron_on_cpu():
         loaded = dist_checkpointing.load(model_sharded_state(chunks), str(path))
         for i, c in enumerate(chunks):
@@ -72,32 +83,51 @@ def _model_key(i: int, n: int) -> str:
 
 
 def save_learner(learner, path: Path, counters: dict[str, int]) -> None:
-    """Collective: every rank writes its shards; rank 0 writes state.json last."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    """Collective: every rank writes its shards, rank 0 the small state last (see save_checkpoint)."""
     with_optimizer = _has_optimizer_state(learner.optimizer)
     with megatron_on_cpu():
-        dist_checkpointing.save(_sharded_state(learner, loading=False, with_optimizer=with_optimizer),
-                                str(tmp), content_metadata=_OPT_METADATA)
+        state = _sharded_state(learner, loading=False, with_optimizer=with_optimizer)
+    save_checkpoint(state, path,
+                    hf_source=Path(learner.cfg.model.path), state={
+                        "counters": counters,
+                        "scheduler": learner.scheduler.state_dict(),
+                        "num_updates": learner.num_updates,
+                        "distributed_optimizer": learner.cfg.parallel.distributed_optimizer,
+                        "optimizer_state": with_optimizer,
+                    })
+
+
+def save_checkpoint(sharded_state: dict[str, Any], path: Path, *, hf_source: Path,
+                    state: dict[str, Any]) -> None:
+    """The one way a checkpoint is written (learner saves and ``convert --to megatron``).
+
+    Collective: every rank writes its shards into a staging directory beside ``path``; after a
+    barrier rank 0 adds the HF config and tokenizer (``hf_config/``) and ``state.json`` (the
+    completion marker, written last), then renames the directory into place, replacing what was
+    there. A crash at any point leaves ``path`` as it was: never a half-written checkpoint that
+    looks complete."""
+    path = Path(path)
+    if dist.get_rank() == 0:
+        outputs.begin(path)
+    dist.barrier()
+    tmp = outputs.staging_path(path)
+    with megatron_on_cpu():
+        dist_checkpointing.save(sharded_state, str(tmp), content_metadata=_OPT_METADATA)
     dist.barrier()
     if dist.get_rank() == 0:
-        from mugrpo_megatron.learner.convert import keep_hf_config
-
-        keep_hf_config(Path(learner.cfg.model.path), tmp)
-        (tmp / "state.json").write_text(json.dumps({
-            "counters": counters,
-            "scheduler": learner.scheduler.state_dict(),
-            "num_updates": learner.num_updates,
-            "distributed_optimizer": learner.cfg.parallel.distributed_optimizer,
-            "optimizer_state": with_optimizer,
-        }, indent=1))
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        keep_hf_config(hf_source, tmp)
+        outputs.write_file(tmp / STATE_FILE, json.dumps(state, indent=1))
+        outputs.commit(path, tmp)
     dist.barrier()
+
+
+def keep_hf_config(source: Path, ckpt: Path) -> None:
+    """Copy config.json and tokenizer files into ``ckpt/hf_config`` (rank 0 only), so the
+    checkpoint knows its architecture."""
+    out = ckpt / HF_CONFIG_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source / "config.json", out / "config.json")
+    copy_tokenizer(source, out)
 
 
 def _ensure_optimizer_state(optimizer) -> None:
@@ -155,7 +185,8 @@ def _unshare_steps(optimizer) -> None:
 def load_learner(learner, path: Path) -> dict[str, int]:
     """Restore model, optimizer and scheduler (any layout); returns the saved counters."""
     path = Path(path)
-    meta = json.loads((path / "state.json").read_text())
+    _verified(path)
+    meta = json.loads((path / STATE_FILE).read_text())
     if meta.get("model_only"):
         _load_model_only(learner, path)
         return {"update": 0, "phase": 0}
@@ -182,16 +213,28 @@ def load_learner(learner, path: Path) -> dict[str, int]:
     return meta["counters"]
 
 
+def _verified(path: Path) -> None:
+    problem = verify_checkpoint(path)
+    if problem:
+        raise ValueError(f"checkpoint {path} cannot be loaded: {problem}")
+
+
 def is_complete(path: Path) -> bool:
-    return (Path(path) / "state.json").is_file()
+    return (Path(path) / STATE_FILE).is_file()
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (``update_0000128`` style names)."""
+def usable_checkpoint(root: Path, note: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint under ``root`` (``update_0000128`` style names) that is complete and
+    passes ``verify_checkpoint``; each newer one that does not is named through ``note`` with its
+    problem, and the previous one is tried."""
     if not Path(root).is_dir():
         return None
-    done = sorted(p for p in Path(root).glob("update_*") if is_complete(p))
-    return done[-1] if done else None
+    for path in sorted(Path(root).glob("update_*"), reverse=True):
+        problem = verify_checkpoint(path)
+        if not problem:
+            return path
+        note(f"checkpoint {path} is unusable ({problem}); falling back to the one before it")
+    return None
 
 
 def prune(root: Path, keep_last: int) -> None:
