@@ -8,6 +8,7 @@ workers and the rollout store, and hands the phase's samples to the other ranks.
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -16,12 +17,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mugrpo_megatron.config import Config, dump_yaml, to_dict
+from mugrpo_megatron.config import Config, to_dict
 from mugrpo_megatron.data import load_prompts
 from mugrpo_megatron.engines import SamplingSpec
 from mugrpo_megatron.engines.fleet import EngineFleet
 from mugrpo_megatron.evaluation import eval_sampling, score_eval
-from mugrpo_megatron.learner.checkpoint import latest_checkpoint, load_learner, prune, save_learner
+from mugrpo_megatron.learner.checkpoint import load_learner, prune, save_learner, usable_checkpoint
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.metrics import MetricsLogger
@@ -29,6 +30,7 @@ from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
 from mugrpo_megatron.rollout import Sample, logprob_gap, to_batch, uniform_groups, with_advantages
 from mugrpo_megatron.rollout_store import RolloutStore
+from mugrpo_megatron.run_dir import record_start
 from mugrpo_megatron.scheduler import Phase, PhaseScheduler
 
 
@@ -49,17 +51,18 @@ class PhaseTimes:
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, start: str = "new"):
         """Build the learner (process groups included), data, engine and reward workers.
 
-        The config must already have been checked for the world size (``check_world_size``)."""
+        The config must already have been checked for the world size (``check_world_size``) and
+        the run directory for this start (``run_dir.check``, which returns ``start``)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.logging.run_dir)
         self.learner = Learner(cfg)
         self.rank0 = dist.get_rank() == 0
         if self.rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))
+            record_start(cfg, start, dist.get_world_size())
+        dist.barrier()  # no rank looks into the run directory before it is this run's
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(
@@ -92,7 +95,10 @@ class Trainer:
         self._engine_has: int | None = None
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.start_update = 0
-        ckpt = latest_checkpoint(self.ckpt_dir) if cfg.checkpoint.resume else None
+        ckpt = None
+        if cfg.checkpoint.resume and start == "resume":  # rank 0 checks; every rank loads its pick
+            ckpt = self._from_rank0(usable_checkpoint(self.ckpt_dir, self._warn)
+                                    if self.rank0 else None)
         if ckpt is not None:
             counters = load_learner(self.learner, ckpt)
             self.start_update = counters["update"]
@@ -320,6 +326,13 @@ class Trainer:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def _warn(self, message: str) -> None:
+        """Something the user must see whatever logging.progress says (rank 0): on stderr, and as
+        an event in metrics.jsonl."""
+        if self.rank0:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+            self.log.log("event", self.start_update, {"warning": message})
 
     def _log_update(self, update: int, values: dict) -> None:
         self.log.log("update", update, values)

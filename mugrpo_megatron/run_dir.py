@@ -1,0 +1,144 @@
+"""A run directory knows what it is: the fingerprint of what its data depends on, checked on resume.
+
+``run.json`` (written when the run starts) holds the run's fingerprint: every config key that
+shapes its rollouts, checkpoints or schedule, plus hashes of the model's config and tokenizer
+files and of the data files. A later start in the same directory compares its own fingerprint and
+refuses any difference, listing each field, so that one run's persisted rollouts and checkpoints
+are never mixed with another model, tokenizer, data set, group size, chunking, seed or schedule.
+What is safe to change on resume (``SAFE_TO_CHANGE``: logging, the learner's layout, engine
+placement and memory, checkpoint cadence, reward workers) is left out of the fingerprint.
+
+Each start's whole config is kept: ``config.yaml`` is the first, ``config.1.yaml``,
+``config.2.yaml``... the starts after it; none is overwritten.
+
+Everything here reads files only and runs before any process group exists, on every rank (each
+hashes the data file it is about to read anyway); ``record_start`` writes, on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from mugrpo_megatron.config import Config, dump_yaml, to_dict
+from mugrpo_megatron.outputs import write_file
+
+RUN_FILE = "run.json"
+SAFE_TO_CHANGE = (
+    "logging.", "parallel.", "rollout.tensor_parallel", "rollout.placement",
+    "rollout.gpu_memory_utilization", "rollout.cpu_kv_cache_gib", "rollout.sleep_between_phases",
+    "rollout.weight_bucket_mb", "rollout.mismatch_check_samples", "reward.num_workers",
+    "reward.timeout_s", "checkpoint.save_every_updates", "checkpoint.keep_last",
+    "checkpoint.resume", "checkpoint.export_hf", "model.recompute_activations",
+)
+"""Config keys (or key prefixes) that a resumed run may change: how the work is laid out and
+logged, not what it computes. The distributed optimizer's sharding is checked when a checkpoint
+loads (``learner.checkpoint.load_learner``)."""
+_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def fingerprint(cfg: Config) -> dict[str, Any]:
+    """The run-defining config keys (dotted) and content hashes of the model and data files."""
+    out = {k: v for k, v in _flat(to_dict(cfg)).items()
+           if not any(k == s or (s.endswith(".") and k.startswith(s)) for s in SAFE_TO_CHANGE)}
+    model = Path(cfg.model.path)
+    out["model.files_sha256"] = {name: _sha256(model / name) for name in _MODEL_FILES
+                                 if (model / name).is_file()}
+    for key in ("data.path", "data.eval_path"):
+        path = out.get(key)
+        if path and Path(path).is_file():
+            out[f"{key}_sha256"] = _sha256(Path(path))
+    return out
+
+
+def check(cfg: Config, *, overwrite: bool) -> str:
+    """What starting this run in ``logging.run_dir`` would do: 'new' (nothing there yet),
+    'resume' (a run with the same fingerprint) or 'replace' (``--overwrite``). ValueError, naming
+    each differing field, for anything else. Reads only."""
+    model = Path(cfg.model.path)
+    if not cfg.model.path:
+        raise ValueError("model.path: not set; name the Hugging Face checkpoint directory to start "
+                         "from, in the config or with --set model.path=DIR")
+    if not (model / "config.json").is_file():
+        raise ValueError(f"model.path: {model} " + ("has no config.json: is it a Hugging Face "
+                         "checkpoint directory?" if model.is_dir() else "is not a directory"))
+    run_dir = Path(cfg.logging.run_dir)
+    if os.path.lexists(run_dir) and not run_dir.is_dir():
+        raise ValueError(f"logging.run_dir: {run_dir} is a file, not a directory")
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return "new"
+    if overwrite:
+        return "replace"
+    record = run_dir / RUN_FILE
+    if not record.is_file():
+        raise ValueError(f"logging.run_dir: {run_dir} is not empty and holds no {RUN_FILE}, so it "
+                         f"is not a run directory of this tool (or predates run fingerprints); "
+                         f"nothing was changed. Choose a new logging.run_dir, or pass --overwrite "
+                         f"to replace the directory.")
+    if not cfg.checkpoint.resume:
+        raise ValueError(f"logging.run_dir: {run_dir} holds a run and checkpoint.resume is false. "
+                         f"Set checkpoint.resume=true to continue it, choose a new logging.run_dir "
+                         f"for a new run, or pass --overwrite to replace it.")
+    try:
+        saved = json.loads(record.read_text())["fingerprint"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{record}: unreadable ({type(e).__name__}: {e}); the run cannot be "
+                         f"checked for resume") from None
+    now = fingerprint(cfg)
+    diffs = [f"  {k}: the run has {saved.get(k, '(absent)')!r}, now {now.get(k, '(absent)')!r}"
+             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if diffs:
+        raise ValueError(
+            f"logging.run_dir: {run_dir} holds a run that differs from this config in what its "
+            f"rollouts and checkpoints depend on, so it cannot be resumed:\n" + "\n".join(diffs)
+            + f"\nTo start a new run, choose a new logging.run_dir (or pass --overwrite to replace "
+              f"this one); to continue this run, use its config ({run_dir / 'config.yaml'}). "
+              f"Safe to change on resume: {', '.join(SAFE_TO_CHANGE)}.")
+    return "resume"
+
+
+def record_start(cfg: Config, action: str, world_size: int) -> None:
+    """Rank 0, after ``check``: replace the old directory (action 'replace'), write ``run.json``
+    for a new run, and keep this start's config beside the earlier ones."""
+    run_dir = Path(cfg.logging.run_dir)
+    if action == "replace":
+        old = run_dir.with_name(f".{run_dir.name}.mugrpo-replaced")
+        if os.path.lexists(old):
+            shutil.rmtree(old)
+        run_dir.rename(old)  # out of the way at once; a crash now leaves it whole, under `old`
+        shutil.rmtree(old)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / RUN_FILE).is_file():
+        write_file(run_dir / RUN_FILE, json.dumps(
+            {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "fingerprint": fingerprint(cfg)},
+            indent=1))
+    name, n = "config.yaml", 0
+    while (run_dir / name).exists():
+        n += 1
+        name = f"config.{n}.yaml"
+    (run_dir / name).write_text(f"# start {n} of this run, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
+                                f"world size {world_size}\n" + dump_yaml(cfg))
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
