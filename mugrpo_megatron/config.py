@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -197,17 +198,26 @@ class RolloutConfig(_Section):
         """Whether every rank hosts an engine rank (``placement``, with 'auto' resolved)."""
         return self.engine == "vllm" and self.placement in ("auto", "spmd")
 
-    def spmd_replicas(self, world_size: int) -> int:
+    def spmd_replicas(self, world_size: int, gpus_per_node: int | None = None) -> int:
         """Engine replicas spread over a job of ``world_size`` ranks; 0 when the job's one engine
         runs on rank 0 alone (placement rank0, or spmd with one rank, where the plain in-process
-        engine is that replica). ValueError if the replicas do not tile the ranks."""
-        if not self.spmd or world_size == 1:
+        engine is that replica). ValueError if the replicas do not tile the ranks, or (given
+        ``gpus_per_node``) if one replica's tensor-parallel group would span two nodes."""
+        if gpus_per_node is not None and self.tensor_parallel > gpus_per_node or (
+                self.spmd and gpus_per_node and gpus_per_node % self.tensor_parallel):
+            raise ValueError(f"rollout.tensor_parallel: {self.tensor_parallel} must "
+                             + ("divide" if self.spmd else "not exceed")
+                             + f" the {gpus_per_node} GPUs per node: an engine replica's "
+                               f"tensor-parallel group stays within a node")
+        if not self.spmd:
             return 0
         if world_size % self.tensor_parallel:
             raise ValueError(f"rollout.tensor_parallel: {self.tensor_parallel} must divide the "
                              f"world size {world_size} with placement spmd (each engine replica "
-                             f"spans {self.tensor_parallel} ranks)")
-        return world_size // self.tensor_parallel
+                             f"spans {self.tensor_parallel} of the job's ranks"
+                             + ("; launch through torchrun with at least that many processes"
+                                if world_size < self.tensor_parallel else "") + ")")
+        return 0 if world_size == 1 else world_size // self.tensor_parallel
 
     def describe_placement(self, world_size: int) -> str:
         n = self.spmd_replicas(world_size)
@@ -445,10 +455,15 @@ class Config:
                 f"generates (algo.prompts_per_phase x rollout.group_size = {samples_per_phase})"
             )
 
-    def check_world_size(self, world_size: int) -> int:
-        """Validate the layout for ``world_size`` processes; returns the data-parallel size."""
+    def check_world_size(self, world_size: int, gpus_per_node: int | None = None) -> int:
+        """Validate the learner's layout and the engines' placement for ``world_size`` processes
+        (``gpus_per_node`` of them per node, when known); returns the data-parallel size."""
+        if gpus_per_node is not None and (gpus_per_node < 1 or world_size % gpus_per_node
+                                          and world_size > gpus_per_node):
+            raise ValueError(f"--gpus-per-node: {gpus_per_node} does not divide the world size "
+                             f"{world_size}")
         dp = self.parallel.data_parallel(world_size)
-        self.rollout.spmd_replicas(world_size)
+        self.rollout.spmd_replicas(world_size, gpus_per_node)
         per_step = dp * self.parallel.micro_batch_size
         if self.algo.samples_per_update % per_step:
             raise ValueError(
@@ -457,6 +472,13 @@ class Config:
                 f"{self.parallel.micro_batch_size} at world size {world_size}"
             )
         return dp
+
+
+def launcher_ranks_per_node() -> int | None:
+    """Processes per node as torchrun reports them (``LOCAL_WORLD_SIZE``: one per GPU on a GPU
+    cluster); None when not launched by torchrun."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local else None
 
 
 # --------------------------------------------------------------------------------- loading

@@ -32,9 +32,10 @@ GIB = 1 << 30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.0) -> dict:
+def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.0,
+             gpus_per_node: int | None = None) -> dict:
     p = cfg.parallel
-    dp = cfg.check_world_size(world_size)
+    dp = cfg.check_world_size(world_size, gpus_per_node)
     spec.check_tensor_parallel(p.tensor)
     spec.check_expert_parallel(p.expert)
     stages = p.pipeline * (p.virtual_pipeline or 1)
@@ -97,9 +98,12 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
 
 
 def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
-            gpu_gib: float = 80.0) -> str:
+            gpu_gib: float = 80.0, gpus_per_node: int | None = None) -> str:
+    if not (hf_config or cfg.model.path):
+        raise ValueError("model.path: not set; the dry run reads the model's config.json from "
+                         "it, or from --hf-config")
     spec = read_model_spec(Path(hf_config) if hf_config else Path(cfg.model.path))
-    e = estimate(cfg, spec, world_size, gpu_gib)
+    e = estimate(cfg, spec, world_size, gpu_gib, gpus_per_node)
     p, r, a = cfg.parallel, cfg.rollout, cfg.algo
     g = lambda x: f"{x / GIB:6.1f} GiB"  # noqa: E731
     lines = [

@@ -8,23 +8,20 @@ from mugrpo_megatron.dryrun import dry_run
 
 from helpers import ROOT
 
-CONFIGS = [  # config, world size, architecture
-    ("demo_cpu", 1, "smollm2-135m-instruct"),
-    ("qwen2.5-math-1.5b_8xh100", 8, "qwen2.5-math-1.5b"),
-    ("qwen2.5-math-7b_8xh100", 8, "qwen2.5-math-7b"),
-    ("llama-3.1-70b_8x8xh100_fp8", 64, "llama-3.1-70b-instruct"),
-    ("qwen3-30b-a3b_2x8xh100", 16, "qwen3-30b-a3b"),
-]
+# config, world size, GPUs per node, architecture: the table scripts/dry_run_all.sh runs
+CONFIGS = [tuple(line.split("\t")) for line in
+           (ROOT / "configs" / "dry_run_targets.tsv").read_text().splitlines()
+           if line and not line.startswith("#")]
 
 
 def test_every_config_is_covered():
-    assert {c for c, _, _ in CONFIGS} == {p.stem for p in (ROOT / "configs").glob("*.yaml")}
+    assert {c[0] for c in CONFIGS} == {p.stem for p in (ROOT / "configs").glob("*.yaml")}
 
 
-@pytest.mark.parametrize("name, world, arch", CONFIGS)
-def test_dry_run_fits(name, world, arch, capsys):
+@pytest.mark.parametrize("name, world, per_node, arch", CONFIGS)
+def test_dry_run_fits(name, world, per_node, arch, capsys):
     rc = main(["train", "--config", str(ROOT / "configs" / f"{name}.yaml"), "--dry-run",
-               "--world-size", str(world), "--hf-config",
+               "--world-size", world, "--gpus-per-node", per_node, "--hf-config",
                str(ROOT / "configs" / "models" / f"{arch}.json")])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -41,3 +38,21 @@ def test_dry_run_refuses_what_does_not_fit():
     cfg = load_config(ROOT / "configs" / "qwen2.5-math-7b_8xh100.yaml", ["parallel.tensor=8"])
     with pytest.raises(ValueError, match="does not divide the 28 attention heads"):
         dry_run(cfg, 8, ROOT / "configs" / "models" / "qwen2.5-math-7b.json")
+
+
+def test_placement_is_checked_before_anything_starts(capsys):
+    """Defect 5: rollout.tensor_parallel > 1 at world size 1 passed plan and the config checks,
+    then failed at the first weight sync; an engine wider than a node failed only on the cluster."""
+    assert main(["plan", "--set", "rollout.tensor_parallel=2"]) == 2
+    assert "rollout.tensor_parallel: 2 must divide the world size 1" in capsys.readouterr().err
+    assert main(["train", "--set", "rollout.tensor_parallel=2", "--set", "model.path=/nowhere"]) == 2
+    assert "launch through torchrun" in capsys.readouterr().err  # refused before model or run dir
+    cfg = ROOT / "configs" / "llama-3.1-70b_8x8xh100_fp8.yaml"
+    assert main(["plan", "--config", str(cfg), "--world-size", "64", "--gpus-per-node", "4"]) == 2
+    assert "8 must divide the 4 GPUs per node" in capsys.readouterr().err
+    assert main(["train", "--config", str(cfg), "--dry-run", "--world-size", "64",
+                 "--gpus-per-node", "4", "--hf-config",
+                 str(ROOT / "configs" / "models" / "llama-3.1-70b-instruct.json")]) == 2
+    assert "stays within a node" in capsys.readouterr().err
+    assert main(["train", "--dry-run"]) == 2  # no model.path, no --hf-config: not the cwd's
+    assert "model.path: not set" in capsys.readouterr().err

@@ -17,7 +17,6 @@ waiting in a collective.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mugrpo_megatron.config import RolloutConfig
+from mugrpo_megatron.config import RolloutConfig, launcher_ranks_per_node
 from mugrpo_megatron.engines import make_engine
 from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
 
@@ -76,13 +75,7 @@ class EngineFleet:
               trust_remote_code: bool = False) -> EngineFleet:
         """Start the engines of ``cfg.placement`` (collective)."""
         rank, world = _world()
-        spmd = cfg.spmd_replicas(world) > 0
-        if spmd:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            if torch.cuda.is_available() and local % cfg.tensor_parallel:
-                raise ValueError(f"rollout.tensor_parallel: {cfg.tensor_parallel} must divide "
-                                 f"the {local} ranks per node: an engine replica's tensor-parallel "
-                                 f"group stays within a node")
+        spmd = cfg.spmd_replicas(world, launcher_ranks_per_node()) > 0
         engine, error = None, ""
         if spmd or rank == 0:
             try:
