@@ -12,13 +12,27 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mugrpo_megatron.config import Config, describe, load_config
+from mugrpo_megatron import outputs
+from mugrpo_megatron.config import Config, describe, launcher_ranks_per_node, load_config
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (defaults apply where it is silent)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one key, e.g. --set algo.clip_high=4.0 (repeatable)")
+
+
+def _add_overwrite_arg(p: argparse.ArgumentParser, dest: str) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace an existing, non-empty {dest} (written beside it, then renamed "
+                        f"into place); without it such a {dest} is refused and left untouched")
+
+
+def _add_gpus_per_node_arg(p: argparse.ArgumentParser, default: int | None) -> None:
+    p.add_argument("--gpus-per-node", type=int, default=default,
+                   help="GPUs (ranks) per node, to check that an engine replica's tensor-parallel "
+                        "group fits in one node" + (f" (default {default}; a real run takes it "
+                                                    f"from torchrun)" if default else ""))
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -32,7 +46,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    dp = cfg.check_world_size(args.world_size)
+    dp = cfg.check_world_size(args.world_size, args.gpus_per_node)
     a, r = cfg.algo, cfg.rollout
     samples = a.prompts_per_phase * r.group_size
     print(f"world size {args.world_size}: TP {cfg.parallel.tensor} x PP {cfg.parallel.pipeline} "
@@ -52,15 +66,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.check_world_size(world)  # before any process group exists
     if args.dry_run:
         from mugrpo_megatron.dryrun import dry_run
 
-        print(dry_run(cfg, world, hf_config=args.hf_config, gpu_gib=args.gpu_gib))
+        print(dry_run(cfg, world, hf_config=args.hf_config, gpu_gib=args.gpu_gib,
+                      gpus_per_node=args.gpus_per_node))
         return 0
+    # before any process group exists: the layout, and the engines' placement over the nodes
+    cfg.check_world_size(world, args.gpus_per_node or launcher_ranks_per_node())
+    from mugrpo_megatron import run_dir
+
+    start = run_dir.check(cfg, overwrite=args.overwrite)  # reads only; every rank, before groups
     from mugrpo_megatron.trainer import RunFailed, Trainer
 
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, start)
     try:
         trainer.run()
     except RunFailed as e:
@@ -81,16 +100,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     import os
 
     parallel.data_parallel(int(os.environ.get("WORLD_SIZE", "1")))  # layout check, before groups
+    source, flag = (args.hf_dir, "--hf-dir") if args.to == "megatron" else (args.checkpoint,
+                                                                          "--checkpoint")
+    if not source:
+        raise ValueError(f"--to {args.to} needs {flag}")
+    if not Path(source).is_dir():
+        raise ValueError(f"{flag}: {source} is not a directory")
+    outputs.check_destination(args.out, [source], overwrite=args.overwrite)
     from mugrpo_megatron.learner import convert
 
     if args.to == "megatron":
-        if not args.hf_dir:
-            raise ValueError("--to megatron needs --hf-dir")
-        convert.hf_to_megatron(Path(args.hf_dir), Path(args.out), parallel, args.dtype)
+        convert.hf_to_megatron(Path(source), Path(args.out), parallel, args.dtype)
     else:
-        if not args.checkpoint:
-            raise ValueError("--to hf needs --checkpoint")
-        convert.megatron_to_hf(Path(args.checkpoint), Path(args.out), parallel, args.dtype)
+        convert.megatron_to_hf(Path(source), Path(args.out), parallel, args.dtype)
     return 0
 
 
@@ -101,9 +123,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     cfg = _load(args)
+    if not (args.model or cfg.model.path):
+        raise ValueError("eval needs --model (or model.path in the config)")
     model = Path(args.model or cfg.model.path)
+    if not model.is_dir():
+        raise ValueError(f"{'--model' if args.model else 'model.path'}: {model} is not a "
+                         f"directory (an HF checkpoint or a Megatron checkpoint)")
+    if args.output:
+        outputs.check_destination(args.output, [model], overwrite=args.overwrite, what="--output")
     with tempfile.TemporaryDirectory() as tmp:
-        if (model / "state.json").is_file():  # a Megatron checkpoint: export it to HF first
+        if (model / "state.json").is_file() or (model / ".metadata").is_file():
+            # a Megatron checkpoint (complete or not: loading names what is wrong): to HF first
             from mugrpo_megatron.config import ParallelConfig
             from mugrpo_megatron.learner.convert import megatron_to_hf
 
@@ -137,7 +167,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
            f"pass@{args.samples}": res.pass_at_k, **res.as_dict()}
     print(json.dumps(out, indent=1))
     if args.output:
-        Path(args.output).write_text(json.dumps(out, indent=1))
+        outputs.write_file(args.output, json.dumps(out, indent=1))
     return 0
 
 
@@ -151,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan", help="validate a config for a world size and print the schedule")
     _add_config_args(p)
     p.add_argument("--world-size", type=int, default=1)
+    _add_gpus_per_node_arg(p, None)
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("train", help="train with Mu-GRPO (launch through torchrun for > 1 process)")
     _add_config_args(p)
@@ -163,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="for --dry-run: an HF config.json (or its directory) to use instead of "
                         "model.path's, when the checkpoint is not on this machine")
     p.add_argument("--gpu-gib", type=float, default=80.0, help="for --dry-run: memory per GPU")
+    _add_gpus_per_node_arg(p, 8)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing logging.run_dir (its rollouts, checkpoints and "
+                        "metrics are deleted) instead of resuming it or refusing it")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("convert", help="HF <-> Megatron checkpoints (torchrun for N > 1 processes)")
     p.add_argument("--to", choices=["megatron", "hf"], required=True)
@@ -174,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size (MoE models; divides the data-parallel size)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _add_overwrite_arg(p, "--out")
     p.set_defaults(fn=cmd_convert)
     p = sub.add_parser("eval", help="score a checkpoint (HF dir or Megatron checkpoint) on a "
                                     "local math benchmark file")
@@ -185,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="k responses per problem: 1 decodes greedily (pass@1); k > 1 samples at "
                         "rollout.temperature and reports mean@k and pass@k")
     p.add_argument("--output", help="also write the result as JSON here")
+    _add_overwrite_arg(p, "--output")
     p.set_defaults(fn=cmd_eval)
     args = parser.parse_args(argv)
     try:
