@@ -9,11 +9,9 @@ Shapes: ``B`` responses, ``T`` token positions (padded). ``*_bt`` tensors are ``
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
-VetoScope = Literal["none", "trigger", "suffix", "suffix_no_trigger", "sequence"]
 VETO_SCOPES: tuple[str, ...] = ("none", "trigger", "suffix", "suffix_no_trigger", "sequence")
 
 
@@ -192,14 +190,41 @@ METRIC_WEIGHTS: dict[str, str] = {
 }
 
 
+METRIC_COUNTS: tuple[str, ...] = ("num_tokens", "num_kept_tokens", "num_neg_tokens",
+                                   "num_neg_kept_tokens", "num_neg_responses")
+"""The token and response counts of ``policy_loss``'s metrics, which the means are weighted by."""
+
+
+def metric_sums(parts: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """float64 ``[len(METRIC_COUNTS) + len(METRIC_WEIGHTS) + 1]``: each count, each mean times its
+    weight, and the loss (when the parts carry one), summed over ``parts``. Sums of several ranks
+    add up (an all-reduce SUM) to the sums of all their parts."""
+    names = (*METRIC_COUNTS, *METRIC_WEIGHTS, "loss")
+    out = torch.zeros(len(names), dtype=torch.float64)
+    for p in parts:
+        out += torch.tensor([float(p[c]) for c in METRIC_COUNTS]
+                            + [float(p[n]) * float(p[w]) for n, w in METRIC_WEIGHTS.items()]
+                            + [float(p.get("loss", 0.0))], dtype=torch.float64)
+    return out
+
+
+def metrics_from_sums(sums: torch.Tensor, abs_log_ratio_max: float) -> dict[str, float]:
+    """The metrics of the union of the parts summed in ``sums`` (see ``metric_sums``), and the
+    summed loss: every microbatch's loss is already divided by the minibatch's token count."""
+    sums = sums.tolist()
+    out = dict(zip(METRIC_COUNTS, sums))
+    for j, (name, weight) in enumerate(METRIC_WEIGHTS.items()):
+        den = out[weight]
+        out[name] = sums[len(METRIC_COUNTS) + j] / den if den else 0.0
+    out["loss"] = sums[-1]
+    out["abs_log_ratio_max"] = abs_log_ratio_max
+    return out
+
+
 def combine_metrics(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Combine ``policy_loss`` metrics of several microbatches as if computed on their union."""
+    """Combine ``policy_loss`` metrics of several microbatches as if computed on their union (in
+    one process; the learner all-reduces ``metric_sums`` across ranks between the two steps)."""
     if not parts:
         return {}
-    totals = {k: sum(float(p[k]) for p in parts) for k in parts[0] if k.startswith("num_")}
-    out: dict[str, float] = dict(totals)
-    for name, weight in METRIC_WEIGHTS.items():
-        den = totals[weight]
-        out[name] = sum(float(p[name]) * float(p[weight]) for p in parts) / den if den else 0.0
-    out["abs_log_ratio_max"] = max(float(p["abs_log_ratio_max"]) for p in parts)
-    return out
+    return metrics_from_sums(metric_sums(parts),
+                             max(float(p["abs_log_ratio_max"]) for p in parts))

@@ -9,6 +9,8 @@ from mugrpo_megatron.objective import (
     VETO_SCOPES,
     combine_metrics,
     group_advantages,
+    metric_sums,
+    metrics_from_sums,
     policy_loss,
     veto_mask,
 )
@@ -211,6 +213,17 @@ def test_microbatch_split_with_global_num_tokens_reproduces_full_batch(scope):
     combined = combine_metrics(parts)
     for k, v in m_full.items():
         assert combined[k] == pytest.approx(v.item(), rel=1e-5, abs=1e-7), k
+    # the learner's path: each rank sums its own microbatches, the sums are all-reduced (added),
+    # then turned into metrics; the same numbers, and the microbatch losses add up to the loss
+    for p, idx in zip(parts, (slice(0, 3), slice(3, 9), slice(9, 16))):
+        p["loss"] = policy_loss(logp[idx], behav[idx], adv[idx], resp[idx], num_tokens=num_tokens,
+                                **kw)[0].detach()
+    rank_sums = metric_sums(parts[:1]) + metric_sums(parts[1:])
+    peak = max(float(p["abs_log_ratio_max"]) for p in parts)
+    reduced = metrics_from_sums(rank_sums, peak)
+    assert reduced == pytest.approx({**combine_metrics(parts)}, rel=1e-12)
+    assert reduced["loss"] == pytest.approx(loss_full.item(), rel=1e-12)
+    assert metrics_from_sums(metric_sums([]), 0.0)["clip_frac"] == 0.0  # a rank without the loss
 
 
 def test_relaxed_clip_bounds():

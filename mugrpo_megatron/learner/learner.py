@@ -17,8 +17,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -37,7 +40,7 @@ from mugrpo_megatron.learner.model import (
 )
 from mugrpo_megatron.learner.offload import HostOffload, OffloadStats
 from mugrpo_megatron.learner.packing import PackedRow, pack_row, plan_bins, sequence_lengths
-from mugrpo_megatron.objective import METRIC_WEIGHTS, policy_loss
+from mugrpo_megatron.objective import metric_sums, metrics_from_sums, policy_loss
 from mugrpo_megatron.types import TokenBatch, TrainBatch
 
 _PAD_LOGIT = -1e30  # padded vocabulary entries: exp() of it is 0, and 0 * it is not NaN
@@ -359,31 +362,17 @@ class Learner:
         return ""
 
     def _reduce_metrics(self, results: list[dict]) -> dict[str, float]:
-        """Combine microbatch metrics of every DP rank as if computed on the whole minibatch."""
-        counts = ["num_tokens", "num_kept_tokens", "num_neg_tokens", "num_neg_kept_tokens",
-                  "num_neg_responses"]
-        names = list(METRIC_WEIGHTS)
-        vec = torch.zeros(len(counts) + len(names) + 1, dtype=torch.float64)
-        peak = torch.zeros(1, dtype=torch.float64)
-        if mpu.is_pipeline_last_stage(ignore_virtual=True) and self.layout.tp_rank == 0:
-            for r in results:
-                for i, c in enumerate(counts):
-                    vec[i] += float(r[c])
-                for j, n in enumerate(names):
-                    vec[len(counts) + j] += float(r[n]) * float(r[METRIC_WEIGHTS[n]])
-                vec[-1] += float(r["loss"])
-                peak[0] = max(float(peak[0]), float(r["abs_log_ratio_max"]))
-        vec, peak = vec.to(_device()), peak.to(_device())
-        dist.all_reduce(vec)
+        """Combine microbatch metrics of every DP rank as if computed on the whole minibatch:
+        ``objective.metric_sums`` on the ranks that computed the loss (the last pipeline stage,
+        TP rank 0), summed over all ranks, then ``objective.metrics_from_sums``."""
+        computed = mpu.is_pipeline_last_stage(ignore_virtual=True) and self.layout.tp_rank == 0
+        sums = metric_sums(results if computed else [])
+        peak = torch.tensor([max((float(r["abs_log_ratio_max"]) for r in results), default=0.0)
+                             if computed else 0.0], dtype=torch.float64)
+        sums, peak = sums.to(_device()), peak.to(_device())
+        dist.all_reduce(sums)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        vec, peak = vec.cpu(), peak.cpu()
-        out = {c: float(vec[i]) for i, c in enumerate(counts)}
-        for j, n in enumerate(names):
-            den = out[METRIC_WEIGHTS[n]]
-            out[n] = float(vec[len(counts) + j]) / den if den else 0.0
-        out["loss"] = float(vec[-1])
-        out["abs_log_ratio_max"] = float(peak[0])
-        return out
+        return metrics_from_sums(sums.cpu(), float(peak.cpu()[0]))
 
     # ------------------------------------------------------------------ memory
 
@@ -398,10 +387,6 @@ class Learner:
     def resident_bytes(self) -> int:
         """Bytes of weights, gradient buffers and optimizer state now on the learner's device."""
         return self._host.resident_bytes()
-
-    @property
-    def offloaded(self) -> bool:
-        return self._host.offloaded
 
     # ------------------------------------------------------------------ weights
 
