@@ -44,7 +44,7 @@ class MetricsLogger:
             return
         record = {"kind": kind, "update": update, "time": time.time(), **values}
         with self.path.open("a") as f:
-            f.write(json.dumps(record, default=_jsonable) + "\n")
+            f.write(json.dumps(record, default=str) + "\n")
         scalars = {f"{kind}/{k}": float(v) for k, v in values.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         if self._tb is not None:
@@ -65,9 +65,3 @@ def read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return str(x)

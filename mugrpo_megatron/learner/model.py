@@ -37,17 +37,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class Layout:
-    """This process's place in the learner's parallel layout."""
+    """This process's place in the learner's parallel layout (what the learner reads of it;
+    megatron's ``parallel_state`` has the rest)."""
 
-    world_size: int
-    rank: int
     tp_size: int
     tp_rank: int
-    pp_size: int
-    pp_rank: int
     dp_size: int
     dp_rank: int
-    vp_size: int | None
 
 
 def init_parallel(parallel: ParallelConfig, seed: int) -> Layout:
@@ -76,13 +72,9 @@ def init_parallel(parallel: ParallelConfig, seed: int) -> Layout:
                 expert_model_parallel_size=parallel.expert,
             )
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return Layout(world_size=world, rank=dist.get_rank(),
-                  tp_size=mpu.get_tensor_model_parallel_world_size(),
+    return Layout(tp_size=mpu.get_tensor_model_parallel_world_size(),
                   tp_rank=mpu.get_tensor_model_parallel_rank(),
-                  pp_size=mpu.get_pipeline_model_parallel_world_size(),
-                  pp_rank=mpu.get_pipeline_model_parallel_rank(),
-                  dp_size=dp, dp_rank=mpu.get_data_parallel_rank(),
-                  vp_size=parallel.virtual_pipeline)
+                  dp_size=dp, dp_rank=mpu.get_data_parallel_rank())
 
 
 def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig

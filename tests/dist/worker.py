@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mugrpo_megatron.config import load_config
+from mugrpo_megatron.config_loader import load_config
 from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
 from mugrpo_megatron.learner.export import iter_hf_tensors
 from mugrpo_megatron.learner.learner import Learner
@@ -47,7 +47,7 @@ def main() -> None:
     b = load_file(batch_path)
     batch = TrainBatch(b["tokens"], b["response_mask"].bool(), b["behav_logp"], b["advantages"])
     tensors = {}
-    if learner.layout.world_size == 1:
+    if torch.distributed.get_world_size() == 1:
         pos = torch.arange(batch.tokens.shape[1]).expand(batch.size, -1)
         with torch.no_grad(), megatron_on_cpu():
             tensors["logits"] = learner.chunks()[0](batch.tokens, pos, None)[..., :learner.spec.vocab_size].contiguous()
