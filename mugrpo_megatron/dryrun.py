@@ -27,6 +27,7 @@ from pathlib import Path
 
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.learner.hf_config import ModelSpec, read_model_spec
+from mugrpo_megatron.scheduler import describe_schedule
 
 GIB = 1 << 30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -104,7 +105,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
                          "it, or from --hf-config")
     spec = read_model_spec(Path(hf_config) if hf_config else Path(cfg.model.path))
     e = estimate(cfg, spec, world_size, gpu_gib, gpus_per_node)
-    p, r, a = cfg.parallel, cfg.rollout, cfg.algo
+    p, r = cfg.parallel, cfg.rollout
     g = lambda x: f"{x / GIB:6.1f} GiB"  # noqa: E731
     lines = [
         f"model: {spec.architecture}, {e['parameters_total'] / 1e9:.2f}B parameters, "
@@ -113,9 +114,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else "")
         + f" x DP {e['dp']}; sequence parallel {p.sequence_parallel}; distributed optimizer "
           f"{p.distributed_optimizer}; {r.describe_placement(world_size)}",
-        f"schedule: {a.num_phases} phases x mu={a.updates_per_phase} = {a.total_updates} updates; "
-        f"{a.prompts_per_phase} prompts x G={r.group_size} per phase; {a.samples_per_update} "
-        f"responses per update in microbatches of {p.micro_batch_size}",
+        f"schedule: {describe_schedule(cfg)}; microbatches of {p.micro_batch_size}",
         f"precision: {cfg.model.dtype}" + (f", FP8 {cfg.model.fp8_format} ({cfg.model.fp8_recipe})"
                                            if cfg.model.fp8_format else ""),
         f"per-GPU memory estimate (sequence {e['seq_len']} tokens, {e['microbatches_in_flight']} "

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mugrpo_megatron.config import AlgoConfig, Config
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -47,25 +49,21 @@ class Minibatch:
 
 
 class PhaseScheduler:
-    """Phases and minibatches for ``total_updates`` updates at ``updates_per_phase`` (mu)."""
+    """Phases and minibatches for ``algo.total_updates`` updates at ``algo.updates_per_phase`` (mu).
 
-    def __init__(self, *, total_updates: int, updates_per_phase: int, prompts_per_phase: int,
-                 group_size: int, samples_per_update: int, num_prompts: int, seed: int = 0):
-        if updates_per_phase < 1 or total_updates % updates_per_phase:
-            raise ValueError(f"total_updates ({total_updates}) must be a positive multiple of "
-                             f"updates_per_phase ({updates_per_phase})")
+    Built from the config, which has checked every schedule setting (``AlgoConfig``, ``Config``);
+    only the data set's size is new here."""
+
+    def __init__(self, algo: AlgoConfig, group_size: int, num_prompts: int):
         if num_prompts < 1:
             raise ValueError("the prompt dataset is empty")
-        if samples_per_update < 1 or samples_per_update > prompts_per_phase * group_size:
-            raise ValueError(f"samples_per_update ({samples_per_update}) must be in [1, "
-                             f"prompts_per_phase x group_size = {prompts_per_phase * group_size}]")
-        self.total_updates = total_updates
-        self.updates_per_phase = updates_per_phase
-        self.prompts_per_phase = prompts_per_phase
+        self.total_updates = algo.total_updates
+        self.updates_per_phase = algo.updates_per_phase
+        self.prompts_per_phase = algo.prompts_per_phase
         self.group_size = group_size
-        self.samples_per_update = samples_per_update
+        self.samples_per_update = algo.samples_per_update
         self.num_prompts = num_prompts
-        self.seed = seed
+        self.seed = algo.seed
 
     @property
     def num_phases(self) -> int:
@@ -117,3 +115,14 @@ class PhaseScheduler:
         mixed = (self.seed * 0x9E3779B1 + stream * 0x85EBCA6B + epoch * 0xC2B2AE35) % (1 << 63)
         g = torch.Generator().manual_seed(mixed)
         return torch.randperm(n, generator=g)
+
+
+def describe_schedule(cfg: Config) -> str:
+    """The schedule in words, for ``plan`` and the dry run."""
+    a, g = cfg.algo, cfg.rollout.group_size
+    samples = a.prompts_per_phase * g
+    epochs = a.updates_per_phase * a.samples_per_update / samples
+    return (f"{a.num_phases} phases x mu={a.updates_per_phase} updates = {a.total_updates} updates "
+            f"and {a.num_phases} weight syncs; each phase {a.prompts_per_phase} prompts x G={g} = "
+            f"{samples} responses, {a.samples_per_update} per update ({epochs:.2f} epochs over the "
+            f"phase's data, before uniform groups are dropped)")

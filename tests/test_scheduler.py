@@ -4,14 +4,16 @@ from collections import Counter
 
 import pytest
 
+from mugrpo_megatron.config import AlgoConfig, Config, RolloutConfig
 from mugrpo_megatron.scheduler import PhaseScheduler
 
 
-def make(mu, **kw):
-    args = dict(total_updates=4096, updates_per_phase=mu, prompts_per_phase=64, group_size=8,
-                samples_per_update=128, num_prompts=1000, seed=7)
+def make(mu, group_size=8, num_prompts=1000, **kw):
+    args = dict(total_updates=4096, updates_per_phase=mu, prompts_per_phase=64,
+                samples_per_update=128, seed=7)
     args.update(kw)
-    return PhaseScheduler(**args)
+    cfg = Config(algo=AlgoConfig(**args), rollout=RolloutConfig(group_size=group_size))
+    return PhaseScheduler(cfg.algo, group_size, num_prompts)
 
 
 def test_grpo_and_mu_grpo_are_two_settings():
