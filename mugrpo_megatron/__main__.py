@@ -13,7 +13,8 @@ import argparse
 import sys
 
 from mugrpo_megatron import outputs
-from mugrpo_megatron.config import Config, describe, launcher_ranks_per_node, load_config
+from mugrpo_megatron.config import Config, launcher_ranks_per_node
+from mugrpo_megatron.config_loader import describe, load_config
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -47,15 +48,12 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _load(args)
     dp = cfg.check_world_size(args.world_size, args.gpus_per_node)
+    from mugrpo_megatron.scheduler import describe_schedule
+
     a, r = cfg.algo, cfg.rollout
-    samples = a.prompts_per_phase * r.group_size
     print(f"world size {args.world_size}: TP {cfg.parallel.tensor} x PP {cfg.parallel.pipeline} "
           f"x DP {dp}; {r.describe_placement(args.world_size)}")
-    print(f"{a.num_phases} phases x mu={a.updates_per_phase} updates = {a.total_updates} updates, "
-          f"{a.num_phases} weight syncs")
-    print(f"each phase: {a.prompts_per_phase} prompts x G={r.group_size} = {samples} responses; "
-          f"{a.samples_per_update} responses per update "
-          f"({a.updates_per_phase * a.samples_per_update / samples:.2f} epochs over the phase's data)")
+    print(f"schedule: {describe_schedule(cfg)}")
     print(f"clip ratio to [{1 - a.clip_low:g}, {1 + a.clip_high:g}]; veto "
           + ("off" if a.veto_threshold is None else f"below {a.veto_threshold:g}, scope {a.veto_scope}"))
     return 0

@@ -1,6 +1,7 @@
-"""Run configuration: frozen dataclasses, one per concern, loaded from YAML with dotted overrides.
+"""Run configuration: frozen dataclasses, one per concern (``config_loader`` builds them from YAML
+with dotted overrides).
 
-Every field has a docstring under it (``python -m mugrpo_megatron config --describe`` prints them).
+Every field has a docstring under it (``python -m mugrpo_megatron config`` prints them).
 Loading checks types and rejects unknown keys; each section validates its own values in
 ``__post_init__``; ``Config.check_world_size`` validates the layout for a world size. All of this
 runs before any process group exists, and every error names the key and the bad value.
@@ -8,19 +9,9 @@ runs before any process group exists, and every error names the key and the bad 
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import difflib
-import inspect
-import math
 import os
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, ClassVar, Literal
-
-import yaml
+from typing import ClassVar, Literal
 
 from mugrpo_megatron.objective import VETO_SCOPES
 
@@ -479,159 +470,3 @@ def launcher_ranks_per_node() -> int | None:
     cluster); None when not launched by torchrun."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     return int(local) if local else None
-
-
-# --------------------------------------------------------------------------------- loading
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build a Config from a YAML file (or the defaults) and ``key.sub=value`` overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        if not Path(path).is_file():
-            raise ValueError(f"--config: {path}: " + ("is a directory, not a YAML file"
-                             if Path(path).is_dir() else "no such file"))
-        try:
-            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text (byte {e.start}): is it a YAML file?") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{path}: line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
-            what = getattr(e, "problem", None) or str(e)
-            raise ValueError(f"{where}: not valid YAML: {what}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set algo.clip_high=4.0")
-        _set_dotted(raw, key.strip(), _parse_value(value))
-    return from_dict(Config, raw, prefix="")
-
-
-def _parse_value(text: str) -> Any:
-    """A scalar from YAML (numbers, true/false, null); text that YAML reads as a mapping or list
-    ("Example: 2 + 3") is kept as the string it is, since overrides set single keys."""
-    if not text.strip():
-        return ""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    return text if isinstance(value, (dict, list)) else value
-
-
-def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    *parents, leaf = key.split(".")
-    node = raw
-    for i, part in enumerate(parents):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ValueError(f"--set {key}: {'.'.join(parents[:i + 1])} is not a section")
-        node = child
-    node[leaf] = value
-
-
-def from_dict(cls: type, raw: Any, prefix: str) -> Any:
-    """Build dataclass ``cls`` from a mapping, checking keys and types; errors name the dotted key."""
-    where = prefix.rstrip(".") or "config"
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: expected a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in raw.items():
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else f"; known keys: {', '.join(names)}"
-            raise ValueError(f"{prefix}{key}: unknown key{hint}")
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = from_dict(tp, value, prefix=f"{prefix}{key}.")
-        else:
-            kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(errors[0] if len(errors) == 1 else f"{key}: {value!r} fits none of {tp}")
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{key}: must be one of {list(args)}, got {value!r}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}: must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key}: must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        number = value
-        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if isinstance(number, bool) or not isinstance(number, (int, float)):
-            raise ValueError(f"{key}: must be a number, got {value!r}")
-        if not math.isfinite(number):  # no setting means "unbounded" by inf, nor anything by nan
-            raise ValueError(f"{key}: must be a finite number, got {value!r}")
-        return float(number)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{key}: must be a string, got {value!r}")
-        return value
-    raise TypeError(f"{key}: unsupported config type {tp}")  # a bug in this module, not user input
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as plain data (for YAML dumps and run records)."""
-    return dataclasses.asdict(cfg)
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of dataclass ``cls``, read from its source."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
-    return docs
-
-
-def describe(cfg: Config | None = None) -> str:
-    """Every key with its value and docstring, for ``config --describe``."""
-    cfg = cfg or Config()
-    lines = []
-    top_docs = field_docs(Config)
-    for section in dataclasses.fields(Config):
-        sub = getattr(cfg, section.name)
-        lines.append(f"{section.name}:  # {top_docs[section.name]}")
-        docs = field_docs(type(sub))
-        for f in dataclasses.fields(sub):
-            doc = " ".join(docs[f.name].split())
-            lines.append(f"  {f.name}: {getattr(sub, f.name)!r}\n      {doc}")
-    return "\n".join(lines)
-
-
-def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mugrpo_megatron.config import Config, dump_yaml, to_dict
+from mugrpo_megatron.config import Config
+from mugrpo_megatron.config_loader import dump_yaml, to_dict
 from mugrpo_megatron.outputs import write_file
 
 RUN_FILE = "run.json"

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mugrpo_megatron.config import Config, to_dict
+from mugrpo_megatron.config import Config
+from mugrpo_megatron.config_loader import to_dict
 from mugrpo_megatron.data import load_prompts
 from mugrpo_megatron.engines import SamplingSpec
 from mugrpo_megatron.engines.fleet import EngineFleet
@@ -69,11 +70,7 @@ class Trainer:
             cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         self.prompts, report = load_prompts(cfg.data, self.tokenizer)
         self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer, held_out=True)
-        a = cfg.algo
-        self.schedule = PhaseScheduler(
-            total_updates=a.total_updates, updates_per_phase=a.updates_per_phase,
-            prompts_per_phase=a.prompts_per_phase, group_size=cfg.rollout.group_size,
-            samples_per_update=a.samples_per_update, num_prompts=len(self.prompts), seed=a.seed)
+        self.schedule = PhaseScheduler(cfg.algo, cfg.rollout.group_size, len(self.prompts))
         self.store = RolloutStore(self.run_dir)
         self.log = MetricsLogger(cfg.logging, self.run_dir, self.rank0, to_dict(cfg))
         self.progress = Progress(enabled=self.rank0 and cfg.logging.progress)
@@ -271,7 +268,8 @@ class Trainer:
                                    f"optimizer state untouched, nothing else lost")
             bar.update(1, loss=step.loss, veto=step.metrics.get("veto_frac", 0.0))
             every = self.cfg.checkpoint.save_every_updates
-            if every and (mb.update + 1) % every == 0 and mb.update + 1 < phase.first_update + phase.num_updates:
+            phase_end = phase.first_update + phase.num_updates
+            if every and (mb.update + 1) % every == 0 and mb.update + 1 < phase_end:
                 self.save(mb.update + 1, phase.index)
         bar.close()
         times.optimize = time.perf_counter() - t_opt
@@ -348,7 +346,8 @@ class Trainer:
             "reward_std": (sum((x - mean) ** 2 for x in rewards) / n) ** 0.5,
             "num_samples": n, "num_train_samples": len(train),
             "epochs": self.schedule.epochs_per_phase(len(train)) if train else 0.0,
-            "uniform_groups": len(uniform), "uniform_group_frac": len(uniform) * self.cfg.rollout.group_size / n,
+            "uniform_groups": len(uniform),
+            "uniform_group_frac": len(uniform) * self.cfg.rollout.group_size / n,
             "response_len": sum(len(s.response_ids) for s in samples) / n,
             "truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
             "engine_replicas": self.engines.num_replicas,

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from mugrpo_megatron.config import Config, describe, dump_yaml, field_docs, load_config
+from mugrpo_megatron.config import Config
+from mugrpo_megatron.config_loader import describe, dump_yaml, field_docs, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +74,8 @@ def test_bad_values_name_the_key(override, message):
 def test_unknown_key_in_yaml_file(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("reward:\n  timeout: 3\n")
-    with pytest.raises(ValueError, match=r"reward\.timeout: unknown key \(did you mean reward\.timeout_s\?\)"):
+    with pytest.raises(ValueError,
+                       match=r"reward\.timeout: unknown key \(did you mean reward\.timeout_s\?\)"):
         load_config(p)
     p.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="top level must be a mapping"):
@@ -84,7 +86,8 @@ def test_world_size_checks():
     cfg = load_config(None, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.micro_batch_size=2",
                              "algo.samples_per_update=64"])
     assert cfg.check_world_size(8) == 2
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by parallel\.tensor x parallel\.pipeline"):
+    with pytest.raises(ValueError,
+                       match=r"world size 6 is not divisible by parallel\.tensor x parallel\.pipeline"):
         cfg.check_world_size(6)
     with pytest.raises(ValueError, match=r"algo\.samples_per_update: 64 is not divisible by .* 24 x 2"):
         cfg.check_world_size(96)

@@ -1,12 +1,11 @@
 """Every shipped config passes --dry-run at its intended world size; bad layouts are refused."""
 
 import pytest
+from helpers import ROOT
 
 from mugrpo_megatron.__main__ import main
-from mugrpo_megatron.config import load_config
+from mugrpo_megatron.config_loader import load_config
 from mugrpo_megatron.dryrun import dry_run
-
-from helpers import ROOT
 
 # config, world size, GPUs per node, architecture: the table scripts/dry_run_all.sh runs
 CONFIGS = [tuple(line.split("\t")) for line in

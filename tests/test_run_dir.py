@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mugrpo_megatron.__main__ import main
-from mugrpo_megatron.config import load_config
+from mugrpo_megatron.config_loader import load_config
 from mugrpo_megatron.run_dir import RUN_FILE, check, record_start
 from mugrpo_megatron.tiny import make_tiny_checkpoint
 

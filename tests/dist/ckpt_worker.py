@@ -4,7 +4,8 @@ python -m torch.distributed.run --nproc_per_node N tests/dist/ckpt_worker.py MOD
 
 MODE save: take STEPS updates, save CKPT, take one more update and write OUT/weights.safetensors
 (the uninterrupted run). MODE resume: load CKPT, take one update and write OUT/weights.safetensors.
-Both also write OUT/result.json with the losses.
+Both also write OUT/result.json with the losses. MODE resave: load CKPT and save it again, without
+an update, as OUT/ckpt (in this layout).
 """
 
 import json
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mugrpo_megatron.config import load_config
+from mugrpo_megatron.config_loader import load_config
 from mugrpo_megatron.learner.checkpoint import load_learner, save_learner
 from mugrpo_megatron.learner.export import iter_hf_tensors
 from mugrpo_megatron.learner.learner import Learner
@@ -28,6 +29,11 @@ def main() -> None:
     b = load_file(batch_path)
     batch = TrainBatch(b["tokens"], b["response_mask"].bool(), b["behav_logp"], b["advantages"])
     losses = []
+    if mode == "resave":
+        counters = load_learner(learner, Path(ckpt))
+        save_learner(learner, Path(out) / "ckpt", counters)
+        torch.distributed.destroy_process_group()
+        return
     if mode == "save":
         losses = [learner.train_step(batch).loss for _ in range(int(steps))]
         save_learner(learner, Path(ckpt), {"update": int(steps), "phase": 0})
