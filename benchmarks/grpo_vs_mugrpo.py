@@ -48,7 +48,7 @@ def run(model: Path, run_dir: Path, mu: int, args) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     phases = [r for r in recs if r["kind"] == "phase"]
     evals = {r["label"]: r for r in recs if r["kind"] == "eval"}
     parts = {k: sum(p[f"{k}_seconds"] for p in phases)

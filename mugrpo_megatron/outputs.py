@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-
 class OutputExists(ValueError):
     """The destination holds something the user did not ask to replace."""
 

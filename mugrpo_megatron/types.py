@@ -56,9 +56,9 @@ class TokenBatch:
     Every ``[B, S]`` tensor is aligned with ``tokens``: position t is about token t.
     """
 
-    tokens: "torch.Tensor"
+    tokens: torch.Tensor
     """[B, S] int64 token ids, prompt then response, right-padded."""
-    response_mask: "torch.Tensor"
+    response_mask: torch.Tensor
     """[B, S] bool, True at the positions of response tokens."""
 
     @property
@@ -70,7 +70,7 @@ class TokenBatch:
 class TrainBatch(TokenBatch):
     """A minibatch for one optimizer update."""
 
-    behav_logp: "torch.Tensor"
+    behav_logp: torch.Tensor
     """[B, S] float: the behaviour policy's log-prob of each response token (0 elsewhere)."""
-    advantages: "torch.Tensor"
+    advantages: torch.Tensor
     """[B] float: the response's group-normalised advantage."""

@@ -6,4 +6,5 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+"$VENV/bin/ruff" check --quiet "$ROOT"  # the lint (pyproject.toml [tool.ruff]), in a second
 exec "$VENV/bin/python" -m pytest -q "$@"

@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
+from helpers import ROOT, make_batch, torchrun
 from safetensors.torch import load_file
 
-from helpers import ROOT, make_batch, torchrun
 from mugrpo_megatron.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -35,6 +35,38 @@ def run(setup, mode, layout, name, steps, ckpt):
     torchrun(nproc, WORKER, mode, str(hf), str(d / "batch.safetensors"), str(d / ckpt), str(out),
              str(steps), *COMMON, *overrides)
     return load_file(str(out / "weights.safetensors")), json.loads((out / "result.json").read_text())
+
+
+def full_state(ckpt, tmp):
+    """Every tensor of a checkpoint, unsharded (DCP's own converter, no process group), and the
+    optimizer's param groups (whose 'step' is Adam's step count)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(ckpt, tmp)
+    common = torch.load(ckpt / "common.pt", weights_only=True)
+    return torch.load(tmp, weights_only=False), common["optimizer"]["optimizer"]["param_groups"]
+
+
+def test_optimizer_state_survives_a_layout_change_bit_for_bit(setup):
+    """Adam's moments, the fp32 master weights and the step count, saved in TP2 after 2 updates,
+    loaded into TP1 / PP2 / DP2 and saved again, are the same bits (AReaL#1468: a megatron-core
+    release that loaded a checkpoint and silently dropped the Adam moments)."""
+    d, _ = setup
+    run(setup, "save", "tp2", "saved_exact", 2, "ckpt_exact")
+    ref, ref_groups = full_state(d / "ckpt_exact", d / "ref.pt")
+    optim = {k: v for k, v in ref.items() if k.startswith("optimizer.state.")}
+    assert {k.split(".")[2] for k in optim} == {"param", "exp_avg", "exp_avg_sq"}
+    assert all(v.abs().sum() > 0 for k, v in optim.items() if ".exp_avg" in k)  # two real steps
+    assert {g["step"] for g in ref_groups} == {2}
+    for layout in ("tp1", "pp2", "dp2"):
+        nproc, overrides = LAYOUTS[layout]
+        out = d / f"resaved_{layout}"
+        torchrun(nproc, WORKER, "resave", str(setup[1]), str(d / "batch.safetensors"),
+                 str(d / "ckpt_exact"), str(out), "2", *COMMON, *overrides)
+        got, groups = full_state(out / "ckpt", d / f"{layout}.pt")
+        assert [g["step"] for g in groups] == [g["step"] for g in ref_groups], layout
+        for k, v in optim.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), (layout, k)
 
 
 @pytest.mark.parametrize("steps", [2, 0])

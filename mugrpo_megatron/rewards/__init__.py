@@ -131,7 +131,7 @@ class RewardScorer:
         self._pool.stop()
         self._pool.join()
 
-    def __enter__(self) -> "RewardScorer":
+    def __enter__(self) -> RewardScorer:
         return self
 
     def __exit__(self, *exc: object) -> None:
