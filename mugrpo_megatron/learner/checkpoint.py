@@ -5,7 +5,7 @@ resume with another TP/PP/DP layout; the distributed optimizer uses its "fully_r
 layout for the same reason. The LR scheduler, the phase/update counters and the RNG state go to a
 small JSON file (no pickles of ours). A checkpoint directory is complete once ``state.json``
 exists: it is written last, after every rank finished writing tensors, and the directory is
-renamed into place only then. Every load first checks the directory (``ckpt_verify``): complete,
+renamed into place only then. Every load first checks the directory (``compat_dcp``): complete,
 not truncated, and no pickle in it that could run code.
 """
 
@@ -22,8 +22,14 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from mugrpo_megatron import outputs
-from mugrpo_megatron.learner.ckpt_verify import verify_checkpoint
-from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
+from mugrpo_megatron.learner.compat_dcp import verify_checkpoint
+from mugrpo_megatron.learner.compat_megatron import (
+    ensure_optimizer_state,
+    has_optimizer_state,
+    megatron_on_cpu,
+    tolerate_missing_step,
+    unshare_steps,
+)
 from mugrpo_megatron.learner.export import copy_tokenizer
 
 _OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -67,13 +73,10 @@ def _load_model_only(learner, path: Path) -> None:
 
 
 def _has_optimizer_state(optimizer) -> bool:
-    """Whether the optimizer has taken a step on every rank. torch's Adam creates its state at
-    the first step; before it (a run whose first phase trained on nothing: every group uniform)
-    megatron's optimizer cannot describe a state it does not have, so none is saved."""
-    has = all(len(inner.optimizer.state) > 0
-              for inner in getattr(optimizer, "chained_optimizers", [optimizer])
-              if any(g["params"] for g in inner.optimizer.param_groups))
-    flag = torch.tensor([1 if has else 0], device="cuda" if torch.cuda.is_available() else "cpu")
+    """Whether the optimizer has state on every rank (none before the first update: see
+    ``compat_megatron.has_optimizer_state``), so that all ranks save the same thing."""
+    flag = torch.tensor([1 if has_optimizer_state(optimizer) else 0],
+                        device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -130,58 +133,6 @@ def keep_hf_config(source: Path, ckpt: Path) -> None:
     copy_tokenizer(source, out)
 
 
-def _ensure_optimizer_state(optimizer) -> None:
-    """Give a fresh optimizer its state tensors, which the loading state dict must describe.
-
-    Without apex or TE, megatron wraps torch's Adam, whose state (and 'step') exists only after a
-    first step: take one with zero gradients, lr and weight decay, which changes nothing (the
-    loaded checkpoint then overwrites every value anyway).
-    """
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        opt = inner.optimizer
-        params = [p for g in opt.param_groups for p in g["params"]]
-        if all(len(opt.state[p]) > 0 for p in params):
-            continue
-        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in opt.param_groups]
-        for g in opt.param_groups:
-            g["lr"], g["weight_decay"] = 0.0, 0.0
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        for g, (lr, wd) in zip(opt.param_groups, saved):
-            g["lr"], g["weight_decay"] = lr, wd
-
-
-def _tolerate_missing_step(optimizer) -> None:
-    """megatron-core 0.16 with torch's Adam (no apex/TE) restores 'step' from the param groups and
-    then, loading a fully reshardable state, copies every per-parameter state key from the
-    checkpoint, which has no 'step' (KeyError). Copy only the keys the checkpoint has."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not hasattr(inner, "_set_main_param_and_optimizer_states") or \
-                inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            continue
-
-        def set_states(model_param, tensors, inner=inner):
-            group_index, group_order = inner.model_param_group_index_map[model_param]
-            main_param = inner.optimizer.param_groups[group_index]["params"][group_order]
-            dst = {"param": main_param, **inner.optimizer.state[main_param]}
-            for key, tensor in tensors.items():
-                dst[key].copy_(tensor)
-
-        inner._set_main_param_and_optimizer_states = set_states
-
-
-def _unshare_steps(optimizer) -> None:
-    """megatron-core restores torch Adam's 'step' as one tensor shared by every parameter's state;
-    torch increments each parameter's step in place, so a shared one would advance once per
-    parameter and skew the bias correction. Give each parameter its own."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in inner.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-
-
 def load_learner(learner, path: Path) -> dict[str, int]:
     """Restore model, optimizer and scheduler (any layout); returns the saved counters."""
     path = Path(path)
@@ -199,15 +150,15 @@ def load_learner(learner, path: Path) -> dict[str, int]:
     if not meta.get("optimizer_state", True):  # saved before the first update
         _load_model_only(learner, path)
     else:
-        _ensure_optimizer_state(learner.optimizer)
-        _tolerate_missing_step(learner.optimizer)
+        ensure_optimizer_state(learner.optimizer)
+        tolerate_missing_step(learner.optimizer)
         with megatron_on_cpu():
             state = dist_checkpointing.load(_sharded_state(learner, loading=True), str(path))
             chunks = learner.chunks()
             for i, chunk in enumerate(chunks):
                 chunk.load_state_dict(state[_model_key(i, len(chunks))])
             learner.optimizer.load_state_dict(state["optimizer"])
-        _unshare_steps(learner.optimizer)
+        unshare_steps(learner.optimizer)
     learner.scheduler.load_state_dict(meta["scheduler"])
     learner.num_updates = meta["num_updates"]
     return meta["counters"]

@@ -29,7 +29,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from mugrpo_megatron.config import Config
-from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
+from mugrpo_megatron.learner.compat_megatron import megatron_on_cpu
 from mugrpo_megatron.learner.hf_config import read_model_spec
 from mugrpo_megatron.learner.model import (
     DTYPES,

@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_block import (
 from safetensors import safe_open
 
 from mugrpo_megatron.config import ModelConfig, ParallelConfig
-from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
+from mugrpo_megatron.learner.compat_megatron import define_missing_te_gemm, megatron_on_cpu
 from mugrpo_megatron.learner.hf_config import ModelSpec, gpt_model_kwargs
 from mugrpo_megatron.learner.mapping import map_param, shard_from_hf
 
@@ -129,16 +129,6 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
     return TransformerConfig(**kw)
 
 
-def _moe_router_without_te() -> None:
-    """megatron-core 0.16.1's fp32 router GEMM (``moe_utils.router_gating_linear``) tests
-    ``te_general_gemm is not None`` to choose TE's GEMM or torch's, but the name is only defined
-    when Transformer Engine imports (NameError otherwise). Define it as None so torch's is used."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def uses_transformer_engine(model: ModelConfig) -> bool:
     """Whether the learner runs Transformer Engine's layer spec: on a GPU where TE imports."""
     if not torch.cuda.is_available():
@@ -205,7 +195,7 @@ def build_chunks(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) 
         if parallel.tensor > 1 and not parallel.sequence_parallel:
             raise ValueError("parallel.sequence_parallel: megatron-core needs it for a "
                              "mixture-of-experts model with parallel.tensor > 1")
-        _moe_router_without_te()
+        define_missing_te_gemm()
     stages = parallel.pipeline * (parallel.virtual_pipeline or 1)
     if spec.num_layers % stages:
         raise ValueError(f"parallel.pipeline x virtual_pipeline = {stages} does not divide the "

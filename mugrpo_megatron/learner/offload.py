@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mugrpo_megatron.learner.compat_megatron import inner_optimizers
+
 
 @dataclass(frozen=True)
 class OffloadStats:
@@ -142,9 +144,8 @@ class HostOffload:
 
 def _torch_optimizers(optimizer) -> list:
     """The torch optimizers inside a megatron (chained) optimizer."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    wrappers = chained if chained is not None else [optimizer]
-    return [w.optimizer for w in wrappers if getattr(w, "optimizer", None) is not None]
+    return [w.optimizer for w in inner_optimizers(optimizer)
+            if getattr(w, "optimizer", None) is not None]
 
 
 def _synchronize() -> None:

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mugrpo_megatron.config_loader import load_config
-from mugrpo_megatron.learner.cpu_compat import megatron_on_cpu
+from mugrpo_megatron.learner.compat_megatron import inner_optimizers, megatron_on_cpu
 from mugrpo_megatron.learner.export import iter_hf_tensors
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.types import TokenBatch, TrainBatch
@@ -31,7 +31,7 @@ def hf_state(learner, **kw):
 def optimizer_checksum(learner) -> float:
     total = torch.zeros((), dtype=torch.float64)
     # every torch optimizer inside megatron's (chained: dense and MoE-expert parameters apart)
-    for inner in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer]):
+    for inner in inner_optimizers(learner.optimizer):
         for state in inner.optimizer.state.values():
             for v in state.values():
                 if torch.is_tensor(v):

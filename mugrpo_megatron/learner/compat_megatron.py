@@ -1,0 +1,238 @@
+"""Every patch of, and reach into, megatron-core's internals, in one place.
+
+Checked against megatron-core 0.16.1 (Python 3.11, the main environment) and 0.19.2 (Python 3.12,
+``scripts/test_mcore_latest.sh``). Each part says why it exists and where it applies;
+``UPSTREAM_SYMBOLS`` lists the upstream names the parts patch or read, and
+``tests/test_compat.py`` fails, naming the symbol, when a release moves or drops one, instead of
+letting a patch go silently inert.
+
+1. **CPU stand-ins** (``megatron_on_cpu``), only when CUDA is absent (CI, laptops); a no-op
+   context where ``torch.cuda.is_available()``. Inside it, and only there, each line below stands
+   in for one megatron-core call:
+
+   - ``torch.cuda.current_device()`` (rotary embeddings, TP layers, p2p shape tensors, DDP
+     buffers, distributed optimizer) -> the CPU device.
+   - ``torch.cuda.synchronize()`` (``pipeline_parallel/p2p_communication.py``) -> no-op; gloo ops
+     are synchronous.
+   - ``torch.cuda.current_stream()`` (``distributed/param_and_grad_buffer.py``
+     ``start_grad_sync``, from 0.19: it waits on CUDA-graph events, none on CPU) -> a stream whose
+     waits do nothing. Applied from 0.19 on.
+   - ``torch.cuda.get_rng_state()`` / ``torch.cuda.manual_seed()`` and
+     ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
+     (``CudaRNGStatesTracker.add``, ``model_parallel_cuda_manual_seed``) -> the CPU generator, so
+     the model-parallel RNG tracker forks and restores CPU states instead.
+   - ``device="cuda"`` / ``device=<int>`` in tensor factories (``schedules.py`` token counts,
+     ``optimizer.py`` found-inf and scale buffers, ``clip_grads.py`` norms) -> ``device="cpu"``,
+     by a ``TorchFunctionMode`` active only inside the context.
+   - ``Tensor.cuda()`` (optimizer state reload) -> the tensor itself.
+   - ``Tensor.type()`` compared with ``'torch.cuda.FloatTensor'`` and friends
+     (``optimizer/distrib_optimizer.py``, ``optimizer/optimizer.py``, ``clip_grads.py``) -> the
+     CUDA spelling of the CPU tensor's type.
+
+2. **MoE router GEMM without TE** (``define_missing_te_gemm``): 0.16.1's fp32 router GEMM
+   (``moe_utils.router_gating_linear``) tests ``te_general_gemm is not None`` to choose TE's GEMM
+   or torch's, but defines the name only when Transformer Engine imports (NameError otherwise).
+   Define it as None so torch's is used. 0.19 defines it itself; applied only where it is missing.
+
+3. **Optimizer state with torch's Adam** (no apex or TE: the CPU, and GPUs without them):
+   ``has_optimizer_state``, ``ensure_optimizer_state``, ``tolerate_missing_step``,
+   ``unshare_steps``, for the fully reshardable distributed-optimizer checkpoints; each says
+   which release needs it.
+
+Sequence parallel with megatron's torch norms needs no patch here; the learner tags the norm
+weights ``sequence_parallel`` itself (see ``model.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from megatron.core import package_info
+from packaging.version import Version
+from torch.overrides import TorchFunctionMode
+
+MEGATRON_VERSION = Version(package_info.__version__.split("+")[0])
+UPSTREAM_SYMBOLS: tuple[str, ...] = (
+    "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+    "megatron.core.transformer.moe.moe_utils:router_gating_linear",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
+    "megatron.core.optimizer:ChainedOptimizer",
+)
+"""``module:attribute`` of every upstream name a part below patches or reads."""
+_STREAM_WAITS_FROM = Version("0.19")
+
+
+# ------------------------------------------------------------------ 1. CPU stand-ins
+
+_CPU = torch.device("cpu")
+_lock = threading.RLock()
+_depth = 0
+_saved: dict[str, object] = {}
+
+
+def _is_cuda_device(device: object) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CudaToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if name.count(".") == 1 else name
+        if func is torch.Tensor.to and args[1:] and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _CpuStream:
+    """What megatron-core 0.19 does with ``torch.cuda.current_stream()`` on a CPU: nothing."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+def _patch() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    stand_ins = {
+        ("cuda", "current_device"): lambda: _CPU,
+        ("cuda", "synchronize"): lambda *a, **k: None,
+        ("cuda", "get_rng_state"): lambda *a, **k: torch.get_rng_state(),
+        ("cuda", "manual_seed"): lambda seed: torch.manual_seed(seed),
+        ("random", "_get_cuda_rng_state"): lambda *a, **k: torch.get_rng_state(),
+        ("random", "_set_cuda_rng_state"): lambda state, *a, **k: torch.set_rng_state(state),
+    }
+    if MEGATRON_VERSION >= _STREAM_WAITS_FROM:
+        stand_ins[("cuda", "current_stream")] = lambda *a, **k: _CpuStream()
+    owners = {"cuda": torch.cuda, "random": mrandom}
+    for (owner, name), fn in stand_ins.items():
+        _saved[f"{owner}.{name}"] = getattr(owners[owner], name)
+        setattr(owners[owner], name, fn)
+
+
+def _unpatch() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    owners = {"cuda": torch.cuda, "random": mrandom}
+    for key, fn in _saved.items():
+        owner, name = key.split(".")
+        setattr(owners[owner], name, fn)
+    _saved.clear()
+
+
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[None]:
+    """Make megatron-core's CUDA calls run on the CPU for the duration (re-entrant)."""
+    global _depth
+    if torch.cuda.is_available():
+        yield
+        return
+    with _lock:
+        if _depth == 0:
+            _patch()
+        _depth += 1
+    try:
+        with _CudaToCpu():
+            yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                _unpatch()
+
+
+# ------------------------------------------------------------------ 2. MoE router GEMM without TE
+
+
+def define_missing_te_gemm() -> None:
+    """See part 2 of the module docstring (0.16.1 without Transformer Engine)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+# ------------------------------------------------------------------ 3. optimizer state
+
+
+def inner_optimizers(optimizer) -> list:
+    """megatron's optimizers inside ``optimizer`` (a ChainedOptimizer holds one for the dense and
+    one for the expert parameters), each wrapping a torch optimizer as ``.optimizer``."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def has_optimizer_state(optimizer) -> bool:
+    """Whether every torch optimizer with parameters has state on this rank. torch's Adam creates
+    its state at its first step; before it (a run whose first phase trained on nothing) megatron
+    cannot describe a state it does not have."""
+    return all(len(inner.optimizer.state) > 0 for inner in inner_optimizers(optimizer)
+               if any(g["params"] for g in inner.optimizer.param_groups))
+
+
+def ensure_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer its state tensors, which the loading state dict must describe
+    (0.16.1 and 0.19.2 with torch's Adam, whose state and 'step' exist only after a first step):
+    take one with zero gradients, lr and weight decay, which changes nothing (the loaded
+    checkpoint then overwrites every value anyway)."""
+    for inner in inner_optimizers(optimizer):
+        opt = inner.optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if all(len(opt.state[p]) > 0 for p in params):
+            continue
+        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for g, (lr, wd) in zip(opt.param_groups, saved):
+            g["lr"], g["weight_decay"] = lr, wd
+
+
+def tolerate_missing_step(optimizer) -> None:
+    """With torch's Adam, megatron restores 'step' from the param groups and then, loading a
+    fully reshardable state, copies every per-parameter state key from the checkpoint, which has
+    no 'step' (KeyError: 0.16.1 copies every state key, 0.19.2 every tensor one, and torch's
+    'step' is a tensor). Replace the distributed optimizer's private
+    ``_set_main_param_and_optimizer_states`` with one that copies the keys the checkpoint has."""
+    for inner in inner_optimizers(optimizer):
+        if not hasattr(inner, "_set_main_param_and_optimizer_states") or \
+                inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue
+
+        def set_states(model_param, tensors, inner=inner):
+            group_index, group_order = inner.model_param_group_index_map[model_param]
+            main_param = inner.optimizer.param_groups[group_index]["params"][group_order]
+            dst = {"param": main_param, **inner.optimizer.state[main_param]}
+            for key, tensor in tensors.items():
+                if torch.is_tensor(tensor):
+                    dst[key].copy_(tensor)
+
+        inner._set_main_param_and_optimizer_states = set_states
+
+
+def unshare_steps(optimizer) -> None:
+    """megatron restores torch Adam's 'step' as one tensor shared by every parameter's state
+    (0.16.1, 0.19.2); torch increments each parameter's step in place, so a shared one would
+    advance once per parameter and skew the bias correction. Give each parameter its own."""
+    for inner in inner_optimizers(optimizer):
+        for state in inner.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
