@@ -4,8 +4,7 @@ release and reclaim accelerator memory, shut down."""
 from __future__ import annotations
 
 import abc
-import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,21 +49,6 @@ class WeightSyncStats:
     @property
     def gb_per_s(self) -> float:
         return self.num_bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
-
-
-@contextlib.contextmanager
-def torch_state_kept() -> Iterator[None]:
-    """Undo what starting an engine does to process-wide torch state that the learner, in the same
-    process, relies on: vLLM replaces ``torch.set_num_threads`` with a no-op and reseeds the
-    global RNG."""
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    rng = torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
-        torch.set_rng_state(rng)
 
 
 class RolloutEngine(abc.ABC):

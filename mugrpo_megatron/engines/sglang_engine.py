@@ -29,13 +29,8 @@ from pathlib import Path
 import torch
 
 from mugrpo_megatron.config import RolloutConfig
-from mugrpo_megatron.engines.base import (
-    Generation,
-    RolloutEngine,
-    SamplingSpec,
-    WeightSyncStats,
-    torch_state_kept,
-)
+from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
+from mugrpo_megatron.engines.compat_torch import torch_state_kept
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -16,102 +16,23 @@ On GPUs vLLM's sleep mode (level 1: weights offloaded, KV cache dropped) runs be
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from mugrpo_megatron.config import RolloutConfig
-from mugrpo_megatron.engines.base import (
-    Generation,
-    RolloutEngine,
-    SamplingSpec,
-    WeightSyncStats,
-    torch_state_kept,
+from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
+from mugrpo_megatron.engines.compat_torch import torch_state_kept
+from mugrpo_megatron.engines.compat_vllm import (
+    learner_world_kept,
+    quiet_expected_reload_warnings,
+    refresh_tied_lm_head,
+    repack_cpu_experts,
+    shutdown_in_process,
 )
-
-
-@contextlib.contextmanager
-def _learner_world(private: bool) -> Iterator[None]:
-    """Keep vLLM from destroying the learner's default process group when it shuts down; with
-    ``private``, also make an already-initialised world look like one rank to vLLM."""
-    if not dist.is_initialized():
-        yield
-        return
-    real = dist.get_world_size, dist.new_group, dist.destroy_process_group
-    shared = private and dist.get_world_size() > 1
-
-    def world_size(group=None):
-        return 1 if group is None else real[0](group)
-
-    def new_group(*args, **kwargs):
-        kwargs["use_local_synchronization"] = True
-        return real[1](*args, **kwargs)
-
-    def destroy_process_group(group=None):
-        if group is not None:  # the default group is the learner's, not vLLM's to destroy
-            real[2](group)
-
-    dist.destroy_process_group = destroy_process_group
-    if shared:
-        dist.get_world_size, dist.new_group = world_size, new_group
-    try:
-        yield
-    finally:
-        dist.get_world_size, dist.new_group, dist.destroy_process_group = real
-
-
-class _ExpectedReloadWarnings(logging.Filter):
-    """vLLM's layer-wise reload warns "<layer>: Failed to load weights" for every layer that
-    received no tensor. Two such layers are expected on every sync and need nothing: the rotary
-    embedding (a computed cache, in no checkpoint) and the LM head of a tied model (its weight is
-    the embedding's, which is loaded, and ``_refresh_tied_lm_head`` rebuilds the head from it).
-    Any other layer's warning is kept; a wrong or missing weight also shows in the mismatch check."""
-
-    EXPECTED = ("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() not in self.EXPECTED
-
-
-def _refresh_tied_lm_head(worker) -> bool:
-    """Re-derive a tied LM head's kernel weights from the reloaded embedding (runs in the worker).
-
-    vLLM's layer-wise reload processes a tied parameter for one of its layers only (its documented
-    limitation); on CPU the LM head keeps a prepacked GEMM weight built from the embedding at start,
-    so without this the engine samples from the old output layer after every update.
-    """
-    model = worker.model_runner.get_model()
-    lm_head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if lm_head is None or embed is None or lm_head.weight is not embed.weight:
-        return False
-    lm_head.quant_method.process_weights_after_loading(lm_head)
-    return True
-
-
-def _repack_cpu_experts(worker) -> int:
-    """Re-prepack MoE expert weights for vLLM-CPU's grouped GEMM after a reload (in the worker).
-
-    On a weight update vLLM copies the new experts into the parameters and skips the experts'
-    own ``process_weights_after_loading`` (it builds the kernel once, at start); the CPU experts
-    prepack their weights there, so after an update the kernel reads unpacked weights as packed
-    ones and every MoE layer computes garbage. Prepack again here. Returns the layers repacked."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    repacked = 0
-    for module in worker.model_runner.get_model().modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            experts.process_weights_after_loading(module)
-            repacked += 1
-    return repacked
 
 
 class VLLMEngine(RolloutEngine):
@@ -124,8 +45,7 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
 
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            _ExpectedReloadWarnings())
+        quiet_expected_reload_warnings()
 
         kwargs = dict(model=str(model_dir), dtype=dtype, seed=cfg.seed, max_model_len=max_model_len,
                       tensor_parallel_size=cfg.tensor_parallel, trust_remote_code=trust_remote_code,
@@ -140,7 +60,7 @@ class VLLMEngine(RolloutEngine):
             # CPU generator cannot do ("CPU Generator does not use offset"): prefill whole prompts.
             kwargs.update(enable_chunked_prefill=False)
         self._spmd = spmd
-        with _learner_world(private=not spmd), torch_state_kept():
+        with learner_world_kept(private=not spmd), torch_state_kept():
             self.llm = LLM(**kwargs)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self._broken = ""
@@ -193,9 +113,9 @@ class VLLMEngine(RolloutEngine):
             # the model half-loaded, so refuse to generate with it.
             self._broken = f"{type(e).__name__}: {e}"
             raise
-        self.llm.collective_rpc(_refresh_tied_lm_head)
+        self.llm.collective_rpc(refresh_tied_lm_head)
         if not torch.cuda.is_available():
-            self.llm.collective_rpc(_repack_cpu_experts)
+            self.llm.collective_rpc(repack_cpu_experts)
         self.llm.reset_prefix_cache()
         return WeightSyncStats(counted["tensors"], counted["bytes"], time.perf_counter() - t0)
 
@@ -207,12 +127,4 @@ class VLLMEngine(RolloutEngine):
         self.llm.wake_up(tags=tags)
 
     def shutdown(self) -> None:
-        import gc
-
-        with _learner_world(private=not self._spmd):
-            engine = getattr(self.llm, "llm_engine", None)
-            core = getattr(engine, "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
-            del self.llm
-            gc.collect()
+        shutdown_in_process(self, private=not self._spmd)

