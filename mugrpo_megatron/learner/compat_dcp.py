@@ -1,4 +1,6 @@
-"""Check a checkpoint directory before loading it: complete, whole, and free of code-running pickles.
+"""torch's distributed-checkpoint (DCP) format, read safely: the one module that knows its private
+names. It checks a checkpoint directory before it is loaded: complete, whole, and free of
+code-running pickles.
 
 megatron-core's distributed checkpoints are written by torch's distributed checkpointing (DCP),
 which stores its index, ``.metadata``, as a pickle and reads it with plain ``pickle.load``; it
@@ -23,7 +25,7 @@ its first problem instead of failing somewhere inside the load (bit flips inside
 not detected: DCP keeps no checksums).
 
 Checked against torch 2.13.0 (DCP format of that release) with megatron-core 0.16.1; the test
-``tests/test_ckpt_verify.py`` verifies a freshly saved real checkpoint, so a release that adds a
+``tests/test_compat_dcp.py`` verifies a freshly saved real checkpoint, so a release that adds a
 class to the metadata fails there, loudly, rather than refusing users' checkpoints.
 
 Cost: one read of ``.metadata`` (O(number of tensor shards): MBs at 70B), one ``stat`` per data

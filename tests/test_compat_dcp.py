@@ -17,7 +17,7 @@ import torch
 from helpers import ROOT, make_batch, torchrun
 
 from mugrpo_megatron.learner.checkpoint import usable_checkpoint
-from mugrpo_megatron.learner.ckpt_verify import read_metadata, verify_checkpoint
+from mugrpo_megatron.learner.compat_dcp import read_metadata, verify_checkpoint
 from mugrpo_megatron.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
