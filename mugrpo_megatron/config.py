@@ -258,7 +258,8 @@ class AlgoConfig(_Section):
         self._non_negative("clip_high")
         if self.veto_threshold is not None and not 0 < self.veto_threshold < 1:
             self._fail("veto_threshold", "must be in (0, 1) or null")
-        assert self.veto_scope in VETO_SCOPES
+        if self.veto_scope not in VETO_SCOPES:  # the Literal above, for direct construction too
+            self._fail("veto_scope", f"must be one of {list(VETO_SCOPES)}")
 
     @property
     def num_phases(self) -> int:

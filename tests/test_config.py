@@ -111,6 +111,13 @@ def test_engine_placement():
         cfg.check_world_size(6)
 
 
+def test_checks_are_value_errors_also_for_direct_construction():
+    from mugrpo_megatron.config import AlgoConfig
+
+    with pytest.raises(ValueError, match=r"algo\.veto_scope: must be one of"):
+        AlgoConfig(veto_scope="prefix")
+
+
 def test_config_file_errors_name_the_file_and_line(tmp_path):
     """Defect: YAML that does not parse, or a missing file, ended in a raw traceback."""
     with pytest.raises(ValueError, match=r"--config: .*nope\.yaml: no such file"):
