@@ -56,12 +56,13 @@ def layouts_for(family: str) -> list[str]:
 def per_expert(grads: dict, family: str) -> dict:
     """transformers 5 keeps an MoE layer's experts fused ([E, 2F, H] gate|up, [E, H, F] down);
     checkpoints and our export name them per expert."""
-    from mugrpo_megatron.learner.hf_config import MOE_LAYOUT
+    from mugrpo_megatron.learner.hf_config import FAMILIES
     from mugrpo_megatron.tiny import TINY_FAMILIES
 
     if family not in MOE:
         return grads
-    module, (gate, up, down) = MOE_LAYOUT[TINY_FAMILIES[family]["architectures"][0]]
+    moe = FAMILIES[TINY_FAMILIES[family]["architectures"][0]].moe
+    module, gate, up, down = moe.module, moe.gate, moe.up, moe.down
     out = {}
     for name, g in grads.items():
         # in memory the module is 'mlp' for every family; Mixtral's checkpoints say block_sparse_moe

@@ -9,25 +9,71 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# HF architecture -> (QKV bias, QK norm). All are RMSNorm + SwiGLU + RoPE decoders; the last two
-# have a mixture of SwiGLU experts in place of the MLP in every layer.
-SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
-    "LlamaForCausalLM": (False, False),
-    "MistralForCausalLM": (False, False),
-    "Qwen2ForCausalLM": (True, False),
-    "Qwen3ForCausalLM": (False, True),
-    "Qwen3MoeForCausalLM": (False, True),
-    "MixtralForCausalLM": (False, False),
+
+def _qwen3_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
+        raise ValueError(f"{source}: dense layers among the MoE layers (decoder_sparse_step, "
+                         f"mlp_only_layers) are not supported")
+    # hub configs say num_experts; transformers 5 writes num_local_experts
+    return dict(num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+                moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                router_pre_softmax=not cfg.get("norm_topk_prob", False))
+
+
+def _mixtral_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    return dict(num_experts=int(cfg["num_local_experts"]),
+                moe_ffn_hidden_size=int(cfg["intermediate_size"]), router_pre_softmax=False)
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """Where an MoE family keeps its router and experts in HF checkpoints, and how its config
+    counts them."""
+
+    module: str
+    """HF module of the router (``.gate``) and experts (``.experts.<e>``) in each layer."""
+    gate: str
+    up: str
+    down: str
+    """Names of one expert's gate, up and down projections."""
+    read: Callable[[dict[str, Any], str], dict[str, Any]]
+    """config.json -> num_experts, moe_ffn_hidden_size, router_pre_softmax (ValueError naming the
+    source for what is unsupported)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF architecture: every fact about it that its config.json does not carry. All are
+    RMSNorm + SwiGLU + RoPE decoders (``model_spec_from_dict`` refuses other activations); MoE
+    families have a mixture of SwiGLU experts in place of the MLP in every layer. A new family of
+    that shape is one entry in ``FAMILIES`` (plus a tiny config in ``tiny.py`` for the tests)."""
+
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (else as the config's attention_bias)."""
+    qk_norm: bool = False
+    """RMSNorm on each head's queries and keys."""
+    sliding_window_flag: str | None = None
+    """Config key that must be true for ``sliding_window`` to apply (Qwen's use_sliding_window);
+    None: ``sliding_window`` applies whenever it is set."""
+    moe: MoeLayout | None = None
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(),
+    "MistralForCausalLM": Family(),
+    "Qwen2ForCausalLM": Family(qkv_bias=True, sliding_window_flag="use_sliding_window"),
+    "Qwen3ForCausalLM": Family(qk_norm=True, sliding_window_flag="use_sliding_window"),
+    "Qwen3MoeForCausalLM": Family(qk_norm=True, sliding_window_flag="use_sliding_window",
+                                  moe=MoeLayout("mlp", "gate_proj", "up_proj", "down_proj",
+                                                _qwen3_moe)),
+    "MixtralForCausalLM": Family(moe=MoeLayout("block_sparse_moe", "w1", "w3", "w2", _mixtral_moe)),
 }
-# MoE architecture -> (HF module of the experts and router, names of gate, up, down projections)
-MOE_LAYOUT: dict[str, tuple[str, tuple[str, str, str]]] = {
-    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
-}
+"""The supported HF architectures."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +108,10 @@ class ModelSpec:
     router_pre_softmax: bool = False
     """True: the top-k probabilities are the softmax over all experts (not renormalised); False:
     renormalised over the chosen k (Qwen3-MoE's norm_topk_prob, Mixtral)."""
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
 
     @property
     def is_moe(self) -> bool:
@@ -127,12 +177,10 @@ def read_model_spec(hf_dir: str | Path) -> ModelSpec:
 def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSpec:
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else "(none)"
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in FAMILIES:
         raise ValueError(f"{source}: architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-    if arch == "LlamaForCausalLM" and cfg.get("attention_bias"):
-        qkv_bias = True
+                         f"{', '.join(FAMILIES)}")
+    family = FAMILIES[arch]
     if cfg.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias=true is not supported")
     act = cfg.get("hidden_act", "silu")
@@ -141,7 +189,7 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     sliding = cfg.get("sliding_window")
-    if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+    if family.sliding_window_flag and not cfg.get(family.sliding_window_flag, False):
         sliding = None
     rope_scaling = cfg.get("rope_scaling")
     rope_theta = cfg.get("rope_theta")
@@ -158,18 +206,8 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
         if kind == "default":
             rope_scaling = None
     moe: dict[str, Any] = {}
-    if arch in MOE_LAYOUT:
-        if arch == "Qwen3MoeForCausalLM":
-            if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
-                raise ValueError(f"{source}: dense layers among the MoE layers (decoder_sparse_step, "
-                                 f"mlp_only_layers) are not supported")
-            # hub configs say num_experts; transformers 5 writes num_local_experts
-            moe = dict(num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
-                       moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
-                       router_pre_softmax=not cfg.get("norm_topk_prob", False))
-        else:
-            moe = dict(num_experts=int(cfg["num_local_experts"]),
-                       moe_ffn_hidden_size=int(cfg["intermediate_size"]), router_pre_softmax=False)
+    if family.moe is not None:
+        moe = family.moe.read(cfg, source)
         moe["experts_per_token"] = int(cfg["num_experts_per_tok"])
     return ModelSpec(
         architecture=arch,
@@ -181,8 +219,8 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         vocab_size=int(cfg["vocab_size"]),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        qk_norm=qk_norm,
+        qkv_bias=family.qkv_bias or bool(cfg.get("attention_bias")),
+        qk_norm=family.qk_norm,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta or 10000.0),
         rope_scaling=rope_scaling,

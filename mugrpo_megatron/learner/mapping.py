@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from mugrpo_megatron.learner.hf_config import MOE_LAYOUT, ModelSpec
+from mugrpo_megatron.learner.hf_config import ModelSpec
 
 Kind = Literal["vocab", "qkv", "gate_up", "row", "replicated"]
 # read(hf_name, index) -> tensor[index]: only the requested rows/columns are read from disk;
@@ -98,7 +98,8 @@ def map_param(name: str, spec: ModelSpec, global_layer: int | None = None,
         suffix = m.group(2)
         layer = f"model.layers.{global_layer}"
         if spec.is_moe and (suffix == "mlp.router.weight" or _EXPERT.match(suffix)):
-            module, (gate, up, down) = MOE_LAYOUT[spec.architecture]
+            moe = spec.family.moe
+            module, gate, up, down = moe.module, moe.gate, moe.up, moe.down
             if suffix == "mlp.router.weight":
                 return ParamMap("replicated", (f"{layer}.{module}.gate.weight",))
             local, fc = _EXPERT.match(suffix).groups()
