@@ -78,3 +78,16 @@ def test_train_refuses_what_it_would_destroy_or_mix(model, tmp_path, capsys):
     assert sorted(p.name for p in foreign.iterdir()) == ["config.yaml", RUN_FILE]
     rc, err = train(f"model.path={model}", f"logging.run_dir={foreign}", "rollout.seed=2")
     assert rc == 2 and "rollout.seed: the run has 1, now 2" in err
+
+
+def test_eval_refuses_what_it_would_overwrite(model, tmp_path, capsys):
+    """eval --output is a file: refused if it exists (without --overwrite) or is a directory; a
+    --model that does not exist is named, before any engine starts."""
+    out = tmp_path / "result.json"
+    out.write_text("{}")
+    assert main(["eval", "--model", str(model), "--output", str(out)]) == 2
+    assert "Pass --overwrite" in capsys.readouterr().err and out.read_text() == "{}"
+    assert main(["eval", "--model", str(model), "--output", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tmp_path / "nope")]) == 2
+    assert "--model: " in capsys.readouterr().err
