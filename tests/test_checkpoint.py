@@ -43,8 +43,11 @@ def full_state(ckpt, tmp):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(ckpt, tmp)
-    common = torch.load(ckpt / "common.pt", weights_only=True)
-    return torch.load(tmp, weights_only=False), common["optimizer"]["optimizer"]["param_groups"]
+    full = torch.load(tmp, weights_only=False)
+    # the common state: common.pt (megatron-core 0.16) or a bytes item of the DCP files (0.19)
+    common = torch.load(ckpt / "common.pt", weights_only=True) if (ckpt / "common.pt").exists() \
+        else full["common_state/shard_0_1"][0]
+    return full, common["optimizer"]["optimizer"]["param_groups"]
 
 
 def test_optimizer_state_survives_a_layout_change_bit_for_bit(setup):

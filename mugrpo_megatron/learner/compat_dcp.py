@@ -11,7 +11,8 @@ before any load, ``verify_checkpoint`` reads:
 - ``.metadata`` through ``_MetadataUnpickler``, which resolves only the classes and functions DCP
   metadata is made of (``_ALLOWED``) and refuses every other global;
 - every bytes item through ``torch.load(weights_only=True)`` (torch's own restricted unpickler);
-- ``common.pt`` the same way.
+- ``common.pt`` the same way, where megatron-core keeps one (0.16; 0.19 stores that state as
+  bytes items).
 
 A file that passes contains only those objects, so the loaders' own unpickling of the same bytes
 builds nothing else. (Trust boundary: a checkpoint rewritten between this check and the load, by
@@ -24,7 +25,8 @@ enough for the bytes the index places in it. A truncated or half-copied checkpoi
 its first problem instead of failing somewhere inside the load (bit flips inside tensor data are
 not detected: DCP keeps no checksums).
 
-Checked against torch 2.13.0 (DCP format of that release) with megatron-core 0.16.1; the test
+Checked against torch 2.13.0 with megatron-core 0.16.1 and torch 2.14.1 with megatron-core 0.19.2;
+the test
 ``tests/test_compat_dcp.py`` verifies a freshly saved real checkpoint, so a release that adds a
 class to the metadata fails there, loudly, rather than refusing users' checkpoints.
 
@@ -96,19 +98,26 @@ def verify_checkpoint(path: Path) -> str:
         json.loads(state.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         return f"{state} is unreadable: {e}"
-    if not (path / "metadata.json").is_file():
+    try:
+        backends = json.loads((path / "metadata.json").read_text())
+    except FileNotFoundError:
         return f"{path / 'metadata.json'} is missing"
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"{path / 'metadata.json'} is unreadable: {e}"
     try:
         meta = read_metadata(path)
         _check_storage(path, meta)
     except ValueError as e:
         return str(e)
-    try:
-        torch.load(path / "common.pt", map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        return f"{path / 'common.pt'} is missing"
-    except Exception as e:  # noqa: BLE001 - truncated zip, or a pickle of more than plain data
-        return f"{path / 'common.pt'} is unreadable or not plain data: {str(e)[:300]}"
+    # megatron-core 0.16 keeps the common (non-sharded) state in common.pt and says so here; 0.19
+    # keeps it inside the DCP files, as bytes items (checked above)
+    if isinstance(backends, dict) and backends.get("common_backend"):
+        try:
+            torch.load(path / "common.pt", map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            return f"{path / 'common.pt'} is missing"
+        except Exception as e:  # noqa: BLE001 - truncated zip, or a pickle of more than plain data
+            return f"{path / 'common.pt'} is unreadable or not plain data: {str(e)[:300]}"
     return ""
 
 
