@@ -16,6 +16,8 @@ from mugrpo_megatron import outputs
 from mugrpo_megatron.config import Config, launcher_ranks_per_node
 from mugrpo_megatron.config_loader import describe, load_config
 
+DRY_RUN_GPUS_PER_NODE = 8  # an H100 node
+
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (defaults apply where it is silent)")
@@ -29,11 +31,10 @@ def _add_overwrite_arg(p: argparse.ArgumentParser, dest: str) -> None:
                         f"into place); without it such a {dest} is refused and left untouched")
 
 
-def _add_gpus_per_node_arg(p: argparse.ArgumentParser, default: int | None) -> None:
-    p.add_argument("--gpus-per-node", type=int, default=default,
+def _add_gpus_per_node_arg(p: argparse.ArgumentParser, default_text: str) -> None:
+    p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs (ranks) per node, to check that an engine replica's tensor-parallel "
-                        "group fits in one node" + (f" (default {default}; a real run takes it "
-                                                    f"from torchrun)" if default else ""))
+                        f"group fits in one node ({default_text})")
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -68,7 +69,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from mugrpo_megatron.dryrun import dry_run
 
         print(dry_run(cfg, world, hf_config=args.hf_config, gpu_gib=args.gpu_gib,
-                      gpus_per_node=args.gpus_per_node))
+                      gpus_per_node=args.gpus_per_node or DRY_RUN_GPUS_PER_NODE))
         return 0
     # before any process group exists: the layout, and the engines' placement over the nodes
     cfg.check_world_size(world, args.gpus_per_node or launcher_ranks_per_node())
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan", help="validate a config for a world size and print the schedule")
     _add_config_args(p)
     p.add_argument("--world-size", type=int, default=1)
-    _add_gpus_per_node_arg(p, None)
+    _add_gpus_per_node_arg(p, "default: not checked")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("train", help="train with Mu-GRPO (launch through torchrun for > 1 process)")
     _add_config_args(p)
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="for --dry-run: an HF config.json (or its directory) to use instead of "
                         "model.path's, when the checkpoint is not on this machine")
     p.add_argument("--gpu-gib", type=float, default=80.0, help="for --dry-run: memory per GPU")
-    _add_gpus_per_node_arg(p, 8)
+    _add_gpus_per_node_arg(p, f"default: torchrun's processes per node, or "
+                              f"{DRY_RUN_GPUS_PER_NODE} for --dry-run")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing logging.run_dir (its rollouts, checkpoints and "
                         "metrics are deleted) instead of resuming it or refusing it")

@@ -48,6 +48,10 @@ def model_sharded_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
 def load_model_state(chunks: list[torch.nn.Module], path: Path) -> None:
     """Load the model part of a Megatron checkpoint (full or model-only) into ``chunks``."""
     _verified(path)
+    _load_model(chunks, path)
+
+
+def _load_model(chunks: list[torch.nn.Module], path: Path) -> None:
     with megatron_on_cpu():
         loaded = dist_checkpointing.load(model_sharded_state(chunks), str(path))
         for i, c in enumerate(chunks):
@@ -66,8 +70,8 @@ def _sharded_state(learner, loading: bool, with_optimizer: bool = True) -> dict[
 
 def _load_model_only(learner, path: Path) -> None:
     """The model from a checkpoint without optimizer state; a fresh optimizer's fp32 master
-    copies follow the loaded weights."""
-    load_model_state(learner.chunks(), path)
+    copies follow the loaded weights (``path`` is verified)."""
+    _load_model(learner.chunks(), path)
     if hasattr(learner.optimizer, "reload_model_params"):
         learner.optimizer.reload_model_params()
 
