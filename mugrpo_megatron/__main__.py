@@ -129,9 +129,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"{'--model' if args.model else 'model.path'}: {model} is not a "
                          f"directory (an HF checkpoint or a Megatron checkpoint)")
     if args.output:
-        if Path(args.output).is_dir():
-            raise ValueError(f"--output: {args.output} is a directory; name the JSON file to write")
-        outputs.check_destination(args.output, [model], overwrite=args.overwrite, what="--output")
+        outputs.check_destination(args.output, [model], overwrite=args.overwrite, what="--output",
+                                  directory=False)
     with tempfile.TemporaryDirectory() as tmp:
         if (model / "state.json").is_file() or (model / ".metadata").is_file():
             # a Megatron checkpoint (complete or not: loading names what is wrong): to HF first

@@ -34,8 +34,9 @@ def _resolved(p: str | Path) -> Path:
 
 
 def check_destination(out: str | Path, inputs: Sequence[str | Path] = (), *, overwrite: bool,
-                      flag: str = "--overwrite", what: str = "--out") -> None:
-    """Refuse to write ``out`` where that would destroy something: ValueError naming why."""
+                      flag: str = "--overwrite", what: str = "--out", directory: bool = True) -> None:
+    """Refuse to write ``out`` (a directory, or with ``directory=False`` a file) where that would
+    destroy something: ValueError naming why."""
     dest = _resolved(out)
     for src in inputs:
         src_path = _resolved(src)
@@ -44,16 +45,16 @@ def check_destination(out: str | Path, inputs: Sequence[str | Path] = (), *, ove
                              f"destroy it. Choose another destination.")
     if not os.path.lexists(out):
         return
-    if Path(out).is_dir() and not any(Path(out).iterdir()):
+    if Path(out).is_dir() != directory:
+        raise ValueError(f"{what}: {out} is " + ("a file, not a directory" if directory else
+                         "a directory, not a file") + "; remove it yourself if it should go")
+    if directory and not any(Path(out).iterdir()):
         return
     if not overwrite:
-        kind = "directory" if Path(out).is_dir() else "file"
+        kind = "directory" if directory else "file"
         raise OutputExists(f"{what}: {out} is an existing, non-empty {kind}; nothing was written. "
                            f"Pass {flag} to replace it (the new output is written beside it and "
                            f"renamed into place once complete), or choose another destination.")
-    if not Path(out).is_dir():
-        raise ValueError(f"{what}: {out} is a file, not a directory; remove it yourself if it "
-                         f"should go")
 
 
 def staging_path(out: str | Path) -> Path:

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from mugrpo_megatron import outputs
 from mugrpo_megatron.__main__ import main
 from mugrpo_megatron.config_loader import load_config
 from mugrpo_megatron.run_dir import RUN_FILE, check, record_start
@@ -87,7 +88,10 @@ def test_eval_refuses_what_it_would_overwrite(model, tmp_path, capsys):
     out.write_text("{}")
     assert main(["eval", "--model", str(model), "--output", str(out)]) == 2
     assert "Pass --overwrite" in capsys.readouterr().err and out.read_text() == "{}"
-    assert main(["eval", "--model", str(model), "--output", str(tmp_path)]) == 2
-    assert "is a directory" in capsys.readouterr().err
+    outputs.check_destination(out, [model], overwrite=True, directory=False)  # a file may go
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["eval", "--model", str(model), "--output", str(empty), "--overwrite"]) == 2
+    assert "is a directory, not a file" in capsys.readouterr().err
     assert main(["eval", "--model", str(tmp_path / "nope")]) == 2
     assert "--model: " in capsys.readouterr().err
