@@ -77,18 +77,25 @@ def commit(out: str | Path, tmp: str | Path | None = None) -> Path:
     replacement ``check_destination`` allowed before the work began)."""
     out, tmp = Path(out), Path(tmp) if tmp is not None else staging_path(out)
     _fsync_dir(tmp)
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    old = move_aside(out) if os.path.lexists(out) else None
+    tmp.rename(out)
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old)
+    return out
+
+
+def move_aside(out: str | Path) -> Path:
+    """Rename ``out`` to ``.NAME.mugrpo-replaced`` beside it (one rename: until the caller deletes
+    it, the old output is whole there) and return that path."""
+    out = Path(out)
     old = out.with_name(f".{out.name}.mugrpo-replaced")
     if os.path.lexists(old):
         shutil.rmtree(old)  # our own leftover: the output it held was replaced by a later commit
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-    if os.path.lexists(out):
-        out.rename(old)
-    tmp.rename(out)
-    _fsync_dir(out.parent)
-    if os.path.lexists(old):
-        shutil.rmtree(old)
-    return out
+    out.rename(old)
+    return old
 
 
 def write_file(path: str | Path, data: str) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.config_loader import dump_yaml, to_dict
-from mugrpo_megatron.outputs import write_file
+from mugrpo_megatron.outputs import move_aside, write_file
 
 RUN_FILE = "run.json"
 SAFE_TO_CHANGE = (
@@ -109,11 +109,7 @@ def record_start(cfg: Config, action: str, world_size: int) -> None:
     for a new run, and keep this start's config beside the earlier ones."""
     run_dir = Path(cfg.logging.run_dir)
     if action == "replace":
-        old = run_dir.with_name(f".{run_dir.name}.mugrpo-replaced")
-        if os.path.lexists(old):
-            shutil.rmtree(old)
-        run_dir.rename(old)  # out of the way at once; a crash now leaves it whole, under `old`
-        shutil.rmtree(old)
+        shutil.rmtree(move_aside(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / RUN_FILE).is_file():
         write_file(run_dir / RUN_FILE, json.dumps(
