@@ -410,10 +410,16 @@ class LoggingConfig(_Section):
     """wandb project name."""
     progress: bool = True
     """Show progress bars on the console."""
+    eval_every_updates: int = 0
+    """Also score the held-out prompts every this many updates (besides before and after the
+    run), for accuracy curves. Inside a phase this streams the current weights into the engine
+    first: an extra sync that changes nothing of the phase's data (its behaviour log-probs are
+    stored) and is not counted in the phase times. 0: only before and after."""
 
     def __post_init__(self) -> None:
         if not self.run_dir:
             self._fail("run_dir", "must be a directory path")
+        self._non_negative("eval_every_updates")
 
 
 @dataclass(frozen=True)

@@ -271,6 +271,7 @@ class Trainer:
             phase_end = phase.first_update + phase.num_updates
             if every and (mb.update + 1) % every == 0 and mb.update + 1 < phase_end:
                 self.save(mb.update + 1, phase.index)
+            self.evaluate_every(mb.update + 1)
         bar.close()
         times.optimize = time.perf_counter() - t_opt
         self.save(phase.first_update + phase.num_updates, phase.index)
@@ -310,6 +311,17 @@ class Trainer:
         self.log.log("eval", self.learner.num_updates, {"label": label, **res.as_dict()})
         self.progress.note(f"held-out ({label}): mean@{res.k} {res.mean_at_k:.3f}, "
                            f"pass@{res.k} {res.pass_at_k:.3f} on {res.num_prompts} prompts")
+
+    def evaluate_every(self, update: int) -> None:
+        """The held-out curve (``logging.eval_every_updates``): after ``update`` when it is a
+        multiple, except the run's last, which ``evaluate('after')`` scores. Leaves the engine
+        asleep, as the optimizer expects it."""
+        every = self.cfg.logging.eval_every_updates
+        if not every or update % every or update >= self.cfg.algo.total_updates:
+            return
+        self.sync_weights()
+        self.evaluate(f"update {update}")
+        self.engines.sleep()
 
     def close(self) -> None:
         if self.rank0:

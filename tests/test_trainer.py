@@ -127,11 +127,15 @@ def test_two_phases_end_to_end_at_tp2(setup):
 
 def test_learner_offloaded_while_generating(setup):
     """With the learner moved to host memory during every generation and evaluation, the run is
-    the same, update for update, as the one that kept it resident."""
+    the same, update for update, as the one that kept it resident. So is a run that also scores
+    the held-out prompts inside phases (logging.eval_every_updates): the extra weight syncs change
+    nothing of the phase's data."""
     d, hf, ref = setup
     run = d / "offload"
-    run_to_end(hf, run, {"parallel.offload_learner": "always"})
+    run_to_end(hf, run, {"parallel.offload_learner": "always", "logging.eval_every_updates": 4})
     assert losses(run) == losses(ref)
+    evals = [(r["label"], r["update"]) for r in records(run) if r["kind"] == "eval"]
+    assert evals == [("before", 0), ("update 4", 4), ("update 8", 8), ("after", 9)]
     phases = [r for r in records(run) if r["kind"] == "phase"]
     for p in phases:
         assert p["offload_gib"] > 0 and p["onload_seconds"] > 0
