@@ -5,6 +5,7 @@
 - ``train``: run Mu-GRPO (``--dry-run``: layout and per-GPU memory estimate, no GPU needed).
 - ``convert``: HF <-> Megatron checkpoints in any TP/PP layout.
 - ``eval``: pass@1 / mean@k / pass@k of a checkpoint on a local math benchmark file.
+- ``rollouts``: a run's persisted rollouts of one phase: summary and decoded samples.
 """
 
 from __future__ import annotations
@@ -171,6 +172,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollouts(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mugrpo_megatron.inspect_rollouts import phase_files, show
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "rollouts").is_dir():
+        raise ValueError(f"{run_dir}: not a run directory with rollouts (no rollouts/ in it)")
+    phase = args.phase
+    if phase is None:  # the newest phase on disk
+        phase = max(int(p.name.split("_")[1]) for p in (run_dir / "rollouts").glob("phase_*"))
+    phase_files(run_dir, phase)  # a missing phase is named before the tokenizer loads
+    tokenizer = None
+    if not args.ids:
+        cfg = load_config(str(run_dir / "config.yaml"), [])
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    print(show(run_dir, phase, args.show, tokenizer))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mugrpo_megatron",
                                      description="Mu-GRPO on Megatron-core with vLLM/SGLang rollouts")
@@ -224,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", help="also write the result as JSON here")
     _add_overwrite_arg(p, "--output")
     p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("rollouts", help="summarise a run's rollouts of one phase and print "
+                                        "decoded samples with rewards and advantages")
+    p.add_argument("run_dir", help="the run directory (logging.run_dir)")
+    p.add_argument("--phase", type=int, default=None, help="phase to show (default: the newest)")
+    p.add_argument("--show", type=int, default=3, help="samples to print, spread over the phase")
+    p.add_argument("--ids", action="store_true",
+                   help="print token ids instead of decoding with the run's tokenizer")
+    p.set_defaults(fn=cmd_rollouts)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
