@@ -13,3 +13,9 @@ for size in h256 h512 h1024; do
 done
 "$PY" benchmarks/engine_overhead.py
 "$PY" benchmarks/grpo_vs_mugrpo.py
+# the paper's ablation grid on its SFT'd tiny policy (~20 min; two threads per run, as measured)
+env -u OMP_NUM_THREADS "$PY" benchmarks/paper_miniature.py --work-dir runs/miniature \
+  --results-md benchmarks/RESULTS.md
+env -u OMP_NUM_THREADS "$PY" benchmarks/paper_miniature.py --work-dir runs/miniature \
+  --rows grpo_mu4,relaxed_noveto,veto_trigger,mugrpo,veto_suffix_no_trigger,veto_sequence \
+  --seeds 2 --lr 3e-4 --tag _lr3e-4 --results-md benchmarks/RESULTS.md

@@ -1,0 +1,351 @@
+"""Mu-GRPO's claims in miniature: the paper's grid through the real trainer, on 2 CPU cores.
+
+1. Make a policy with a learning signal (``miniature_task``): a tiny Llama, SFT'd on chained
+   single-digit arithmetic until its sampled pass rate reaches ``--sft-target``.
+2. Run each row of the grid through ``python -m mugrpo_megatron train`` (the megatron-core
+   learner and the vLLM engine users get; ``paper_miniature.yaml`` plus the row's overrides),
+   all rows with the same total updates and samples per update:
+     GRPO mu=4 [0.8, 1.2] | GRPO mu=M [0.8, 1.2] | mu=M [0, 5] no veto |
+     mu=M [0, 5] veto on triggers | Mu-GRPO: mu=M [0, 5] suffix veto |
+     (optional) suffix without triggers, whole sequence.
+   The two headline rows (GRPO mu=4, Mu-GRPO) run with ``--seeds`` seeds.
+3. Write the Table-1-shaped table and the curves of Figures 2-3 (PNG), and with ``--results-md``
+   replace this benchmark's section of benchmarks/RESULTS.md.
+
+    python benchmarks/paper_miniature.py                  # the full grid (~30 min on 2 cores)
+    python benchmarks/paper_miniature.py --quick          # <= 3 min: the signal is there (CI)
+
+``--quick`` runs only Mu-GRPO, with two seeds and one phase, and exits non-zero unless the
+initial held-out pass rate is in [0.2, 0.6] and Mu-GRPO improves it by more than the spread of its
+two seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import write_json  # noqa: E402
+from miniature_task import sft_policy, write_splits  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_CONFIG = Path(__file__).with_suffix(".yaml")
+PASS_RANGE = (0.2, 0.6)
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    label: str
+    large_mu: bool
+    clip: tuple[float, float]
+    """(clip_low, clip_high): [1 - low, 1 + high]."""
+    veto: str | None
+    """veto scope, None for no veto"""
+    headline: bool = False
+
+
+GRID = [
+    Row("grpo_mu4", "GRPO mu=4, [0.8, 1.2]", False, (0.2, 0.2), None, headline=True),
+    Row("grpo_muM", "GRPO mu=M, [0.8, 1.2]", True, (0.2, 0.2), None),
+    Row("relaxed_noveto", "mu=M, [0, 5], no veto", True, (1.0, 4.0), None),
+    Row("veto_trigger", "mu=M, [0, 5], veto on triggers", True, (1.0, 4.0), "trigger"),
+    Row("mugrpo", "Mu-GRPO: mu=M, [0, 5], suffix veto", True, (1.0, 4.0), "suffix", headline=True),
+    Row("veto_suffix_no_trigger", "mu=M, [0, 5], suffix minus triggers", True, (1.0, 4.0),
+        "suffix_no_trigger"),
+    Row("veto_sequence", "mu=M, [0, 5], whole sequence", True, (1.0, 4.0), "sequence"),
+]
+DEFAULT_ROWS = ",".join(r.name for r in GRID)
+CURVES = [("clip_frac", "clip fraction"), ("veto_frac", "vetoed token fraction"),
+          ("rho_neg_mean", "E[rho | A < 0]"), ("abs_log_ratio_mean", "mean |log rho|")]
+
+
+def _label(row: Row, mu: int) -> str:
+    return row.label.replace("mu=M", f"mu={mu}")
+
+
+def run_row(row: Row, seed: int, model: Path, data: Path, run_dir: Path, args) -> dict:
+    """One training run through the package's CLI; its metrics, read back from metrics.jsonl."""
+    mu = args.mu if row.large_mu else 4
+    sets = {
+        "model.path": model, "data.path": data / "train.jsonl", "data.eval_path": data / "eval.jsonl",
+        "data.eval_size": args.eval_size, "rollout.eval_samples": args.eval_samples,
+        "rollout.group_size": args.group_size, "algo.total_updates": args.updates,
+        "algo.updates_per_phase": mu, "algo.samples_per_update": args.samples_per_update,
+        "algo.prompts_per_phase": mu * args.samples_per_update // args.group_size,
+        "algo.clip_low": row.clip[0], "algo.clip_high": row.clip[1],
+        "algo.veto_threshold": "null" if row.veto is None else args.veto_threshold,
+        "algo.veto_scope": row.veto or "none", "algo.seed": seed, "rollout.seed": seed,
+        "optim.lr": args.lr, "logging.eval_every_updates": args.eval_every,
+        "logging.run_dir": run_dir,
+    }
+    cmd = [sys.executable, "-m", "mugrpo_megatron", "train", "--config", str(BASE_CONFIG)]
+    cmd += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if args.jobs > 1:  # runs side by side share the cores: one thread each
+        env["OMP_NUM_THREADS"] = "1"
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise SystemExit(f"{row.name} seed {seed} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return {"row": row.name, "seed": seed, "mu": mu, "wall": wall, **read_run(run_dir)}
+
+
+def read_run(run_dir: Path) -> dict:
+    """What the table and plots need, from a run's metrics.jsonl."""
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    phases = [r for r in recs if r["kind"] == "phase"]
+    parts = {k: sum(p[f"{k}_seconds"] for p in phases)
+             for k in ("generate", "score", "sync", "switch", "optimize")}
+    evals = [(r["update"], r["eval_mean_at_k"]) for r in recs if r["kind"] == "eval"]
+    updates = [r for r in recs if r["kind"] == "update" and not r.get("skipped")]
+    return {**parts, "rollout": parts["generate"] + parts["score"], "total": sum(parts.values()),
+            "syncs": len(phases), "evals": evals,
+            "phase_reward": [p["reward_mean"] for p in phases],
+            "curves": {k: [(u["update"], u.get(k, 0.0)) for u in updates] for k, _ in CURVES},
+            "skipped_updates": sum(p["skipped_updates"] for p in phases)}
+
+
+def summarize_row(runs: list[dict]) -> dict:
+    before = [r["evals"][0][1] for r in runs]
+    after = [r["evals"][-1][1] for r in runs]
+    mean = statistics.mean
+
+    def late(key):  # mean over the last quarter of updates: where a collapse shows
+        vals = [v for r in runs for u, v in r["curves"][key] if u >= 3 * r["curves"][key][-1][0] / 4]
+        return mean(vals) if vals else float("nan")
+
+    return {"seeds": len(runs), "before": mean(before), "after": mean(after),
+            "after_std": statistics.stdev(after) if len(after) > 1 else 0.0,
+            "after_min": min(after), "after_max": max(after),
+            "peak": mean(max(a for _, a in r["evals"]) for r in runs),
+            "rollout": mean(r["rollout"] for r in runs), "total": mean(r["total"] for r in runs),
+            "wall": mean(r["wall"] for r in runs), "syncs": runs[0]["syncs"],
+            **{f"late_{k}": late(k) for k, _ in CURVES}}
+
+
+def results_table(summary: dict[str, dict], rows: list[Row], mu: int) -> str:
+    lines = ["| run | seeds | held-out before | held-out after | peak | T_roll s | T_total s | "
+             "syncs | clip frac | veto frac | E[rho \\| A<0] | mean \\|log rho\\| |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        s = summary[row.name]
+        spread = (f" ± {s['after_std']:.3f} ({s['after_min']:.3f}-{s['after_max']:.3f})"
+                  if s["seeds"] > 1 else "")
+        lines.append(
+            f"| {_label(row, mu)} | {s['seeds']} | "
+            f"{s['before']:.3f} | {s['after']:.3f}{spread} | {s['peak']:.3f} | {s['rollout']:.1f} | "
+            f"{s['total']:.1f} | {s['syncs']} | {s['late_clip_frac']:.4f} | "
+            f"{s['late_veto_frac']:.4f} | {s['late_rho_neg_mean']:.3f} | "
+            f"{s['late_abs_log_ratio_mean']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, list[dict]], rows: list[Row], mu: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(CURVES) + 1, 1, figsize=(8, 2.4 * (len(CURVES) + 1)), sharex=True)
+    for row in rows:
+        rs = runs[row.name]
+        label = _label(row, mu)
+        xs = [u for u, _ in rs[0]["evals"]]
+        ys = [statistics.mean(r["evals"][i][1] for r in rs) for i in range(len(xs))]
+        (line,) = axes[0].plot(xs, ys, "o-", ms=3, lw=1.2, label=label)
+        for ax, (key, _) in zip(axes[1:], CURVES):
+            pts = rs[0]["curves"][key]
+            w = max(1, len(pts) // 32)  # a moving average over ~1/32 of the run, first seed
+            vals = [v for _, v in pts]
+            sm = [statistics.mean(vals[max(0, i - w + 1):i + 1]) for i in range(len(vals))]
+            ax.plot([u for u, _ in pts], sm, lw=1, color=line.get_color())
+    axes[0].set_title("held-out accuracy (mean@k, seed mean)", fontsize=9)
+    axes[0].legend(fontsize=7)
+    for ax, (key, title) in zip(axes[1:], CURVES):
+        ax.set_title(title + " (first seed, moving average)", fontsize=9)
+        if key == "clip_frac" or key == "veto_frac":
+            ax.set_yscale("symlog", linthresh=1e-4)
+    axes[-1].set_xlabel("update")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def update_results_md(path: Path, section: str, tag: str = "") -> None:
+    """Replace this benchmark's marked section (one per ``--tag``) of RESULTS.md; appended the
+    first time."""
+    begin, end = f"<!-- paper_miniature{tag}:begin -->", f"<!-- paper_miniature{tag}:end -->"
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    block = f"{begin}\n{section.strip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="Mu-GRPO only, 2 seeds, one phase: checks the signal in <= 3 minutes")
+    ap.add_argument("--rows", default=DEFAULT_ROWS,
+                    help=f"comma-separated rows of: {', '.join(r.name for r in GRID)}")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds of the headline rows")
+    ap.add_argument("--updates", type=int, default=128, help="total updates of every row")
+    ap.add_argument("--mu", type=int, default=64, help="M: updates per phase of the large-mu rows")
+    ap.add_argument("--samples-per-update", type=int, default=64)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--veto-threshold", type=float, default=1e-4)
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="training runs side by side (times are comparable only with 1)")
+    ap.add_argument("--eval-every", type=int, default=16, help="held-out curve resolution, updates")
+    ap.add_argument("--eval-size", type=int, default=256)
+    ap.add_argument("--eval-samples", type=int, default=4)
+    ap.add_argument("--sft-target", type=float, default=0.3,
+                    help="sampled probe pass rate at which SFT stops")
+    ap.add_argument("--work-dir", help="keep the model, data and run directories here "
+                                       "(default: a temporary directory, removed at the end)")
+    ap.add_argument("--tag", default="", help="a suffix naming this grid's run directories, "
+                                                "output files and RESULTS.md section (e.g. _lr3e-4)")
+    ap.add_argument("--out", help="JSON of every run (default: results/paper_miniature{tag}.json)")
+    ap.add_argument("--plot", help="PNG of the curves (default: results/paper_miniature{tag}.png)")
+    ap.add_argument("--results-md", help="replace this benchmark's section of this Markdown file "
+                                         "(benchmarks/RESULTS.md) with the table and plot")
+    args = ap.parse_args(argv)
+    results = ROOT / "benchmarks" / "results"
+    args.out = args.out or str(results / f"paper_miniature{args.tag}.json")
+    args.plot = args.plot or str(results / f"paper_miniature{args.tag}.png")
+    if args.quick:
+        args.rows, args.seeds, args.mu, args.updates, args.eval_every = "mugrpo", 2, 32, 32, 0
+        args.eval_size, args.jobs = min(args.eval_size, 128), 2
+    rows = [r for r in GRID if r.name in args.rows.split(",")]
+    unknown = set(args.rows.split(",")) - {r.name for r in GRID}
+    if unknown:
+        ap.error(f"--rows: unknown {sorted(unknown)}")
+    if args.updates % args.mu or args.mu % 4 or (args.mu * args.samples_per_update) % args.group_size:
+        ap.error("--updates must be a multiple of --mu, and --mu of 4 (GRPO's mu)")
+    return args, rows
+
+
+def main(argv=None) -> int:
+    args, rows = parse_args(argv)
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work_dir or tmp)
+        data = work / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        splits = write_splits(data, seed=0, num_train=8000, num_eval=args.eval_size, num_probe=128)
+        import torch
+
+        torch.set_num_threads(2)
+        made = work / "policy" / "sft.json"
+        if args.work_dir and made.exists():  # a policy this script made before, with this data
+            sft_info = json.loads(made.read_text())
+            print(f"reusing the SFT policy in {made.parent}", flush=True)
+        else:
+            sft = sft_policy(work / "policy", splits["train"], splits["probe"],
+                             target=args.sft_target, log=lambda m: print(m, flush=True))
+            sft_info = {"steps": sft.steps, "seconds": sft.seconds,
+                        "probe_pass_rate": sft.probe_pass_rate,
+                        "probe_by_operands": sft.probe_by_operands}
+            made.write_text(json.dumps(sft_info))
+        print(f"SFT: {sft_info['steps']} steps in {sft_info['seconds']:.0f}s, probe pass rate "
+              f"{sft_info['probe_pass_rate']:.3f}, by operand count "
+              f"{sft_info['probe_by_operands']}", flush=True)
+        jobs = [(row, seed) for row in rows
+                for seed in range(1, (args.seeds if row.headline else 1) + 1)]
+
+        def one(job):
+            row, seed = job
+            r = run_row(row, seed, work / "policy", data,
+                        work / "runs" / f"{row.name}{args.tag}_s{seed}", args)
+            print(f"[{row.name} seed {seed}] held-out {r['evals'][0][1]:.3f} -> "
+                  f"{r['evals'][-1][1]:.3f}, total {r['total']:.0f}s (wall {r['wall']:.0f}s)",
+                  flush=True)
+            return r
+
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each job is a subprocess
+            results = list(pool.map(one, jobs))
+        runs: dict[str, list[dict]] = {}
+        for (row, _), r in zip(jobs, results):
+            runs.setdefault(row.name, []).append(r)
+    grid_seconds = time.perf_counter() - t_start
+    summary = {name: summarize_row(rs) for name, rs in runs.items()}
+    text = results_table(summary, rows, args.mu)
+    print(text)
+    print(f"grid time {grid_seconds / 60:.1f} min (SFT {sft_info['seconds']:.0f}s)")
+    write_json(args.out, {"args": vars(args), "sft": sft_info, "grid_seconds": grid_seconds,
+                          "summary": summary, "runs": runs})
+    if not args.quick:
+        plot(runs, rows, args.mu, Path(args.plot))
+    if args.results_md:
+        cmd = "python benchmarks/paper_miniature.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        update_results_md(Path(args.results_md), markdown_section(args, sft_info, text, grid_seconds,
+                                                                  cmd.strip()), args.tag)
+    if args.quick:
+        return quick_checks(summary["mugrpo"])
+    return 0
+
+
+def markdown_section(args, sft: dict, text: str, grid_seconds: float, cmd: str) -> str:
+    by_k = ", ".join(f"{k} operands {v:.2f}" for k, v in sft["probe_by_operands"].items())
+    plot_rel = os.path.relpath(args.plot, ROOT / "benchmarks")
+    out_rel = os.path.relpath(args.out, ROOT)
+    title = f"lr {args.lr:g}" + (f", {args.tag.strip('_')}" if args.tag else "")
+    return f"""## Mu-GRPO's claims in miniature: {title} (`benchmarks/paper_miniature.py`)
+
+`{cmd}` ({grid_seconds / 60:.1f} minutes on this machine, SFT included unless reused; raw numbers
+in `{out_rel}`).
+
+Policy: the tiny Llama of `benchmarks/miniature_task.py` (2 layers, hidden 128), SFT'd for
+{sft['steps']} steps ({sft['seconds']:.0f} s) on chained single-digit arithmetic, half of the
+examples worked step by step and half answered at once, to a sampled probe pass rate of
+{sft['probe_pass_rate']:.2f} ({by_k}). The policy so starts with two behaviours, a reliable
+long one and an unreliable short one, between which RL can choose. Every row: {args.updates} updates of
+{args.samples_per_update} responses (G = {args.group_size}), one pass over each phase's data, lr
+{args.lr}, veto threshold {args.veto_threshold}, M = {args.mu}, through `python -m mugrpo_megatron
+train` (megatron-core learner, vLLM engine, fp32, one process). Held-out: mean@{args.eval_samples}
+at temperature 1 on {args.eval_size} unseen problems, every {args.eval_every} updates (an extra
+weight sync, not counted in the times). Seeds differ in prompt order, minibatches and sampling;
+the SFT policy is the same. T_roll = generation + scoring, T_total = T_roll + sync + switch +
+optimization (start-up and evaluation excluded), seconds, seed mean. The last four columns are means
+over the last quarter of updates.
+
+{text}
+
+![curves]({plot_rel})
+"""
+
+
+def quick_checks(s: dict) -> int:
+    failures = []
+    if not PASS_RANGE[0] <= s["before"] <= PASS_RANGE[1]:
+        failures.append(f"initial held-out pass rate {s['before']:.3f} is outside {PASS_RANGE}")
+    gain, spread = s["after"] - s["before"], s["after_max"] - s["after_min"]
+    if not gain > spread:
+        failures.append(f"Mu-GRPO's gain {gain:.3f} is not above the seed-to-seed spread {spread:.3f}")
+    for f in failures:
+        print(f"CHECK FAILED: {f}")
+    if not failures:
+        print(f"checks passed: start {s['before']:.3f} in {PASS_RANGE}; gain {gain:.3f} > spread "
+              f"{spread:.3f}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
