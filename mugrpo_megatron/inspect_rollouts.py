@@ -105,11 +105,16 @@ def summarize(files: list[Path], complete: bool) -> PhaseSummary:
             counts = pc.value_counts(batch.column("finish_reason"))
             for item in counts.to_pylist():
                 s.finish[item["values"]] = s.finish.get(item["values"], 0) + item["counts"]
-            groups = batch.column("group").to_numpy(zero_copy_only=False)
-            for g in np.unique(groups):
-                r = reward[groups == g]
-                lo, hi = s.groups.get(int(g), (math.inf, -math.inf))
-                s.groups[int(g)] = (min(lo, float(r.min())), max(hi, float(r.max())))
+            # per-group reward range in one pass over the batch (a group may span two batches):
+            # a dict entry per group, 1.25e5 at 10^6 responses and G = 8, ~20 MB
+            ids, inverse = np.unique(batch.column("group").to_numpy(zero_copy_only=False),
+                                     return_inverse=True)
+            lo, hi = np.full(len(ids), math.inf), np.full(len(ids), -math.inf)
+            np.minimum.at(lo, inverse, reward)
+            np.maximum.at(hi, inverse, reward)
+            for g, a, b in zip(ids.tolist(), lo.tolist(), hi.tolist()):
+                old_lo, old_hi = s.groups.get(g, (math.inf, -math.inf))
+                s.groups[g] = (min(old_lo, a), max(old_hi, b))
     return s
 
 
