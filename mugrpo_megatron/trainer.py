@@ -241,7 +241,7 @@ class Trainer:
         first = max(self.start_update, phase.first_update)
         bar = self.progress.bar(f"phase {phase.index} optimize",
                                 total=phase.first_update + phase.num_updates - first)
-        skipped = 0
+        skipped, t_eval = 0, 0.0
         t_opt = time.perf_counter()
         for mb in (self.schedule.minibatches(phase, len(train)) if train else []):
             if mb.update < first:
@@ -271,9 +271,11 @@ class Trainer:
             phase_end = phase.first_update + phase.num_updates
             if every and (mb.update + 1) % every == 0 and mb.update + 1 < phase_end:
                 self.save(mb.update + 1, phase.index)
-            self.evaluate_every(mb.update + 1)
+            t_eval += self.evaluate_every(mb.update + 1)
         bar.close()
-        times.optimize = time.perf_counter() - t_opt
+        times.optimize = time.perf_counter() - t_opt - t_eval  # the held-out curve is not training
+        if t_eval:
+            times.extra["eval_seconds"] = t_eval
         self.save(phase.first_update + phase.num_updates, phase.index)
         self._log_phase(phase, samples, train, uniform, gap, times, skipped)
 
@@ -312,16 +314,18 @@ class Trainer:
         self.progress.note(f"held-out ({label}): mean@{res.k} {res.mean_at_k:.3f}, "
                            f"pass@{res.k} {res.pass_at_k:.3f} on {res.num_prompts} prompts")
 
-    def evaluate_every(self, update: int) -> None:
+    def evaluate_every(self, update: int) -> float:
         """The held-out curve (``logging.eval_every_updates``): after ``update`` when it is a
         multiple, except the run's last, which ``evaluate('after')`` scores. Leaves the engine
-        asleep, as the optimizer expects it."""
+        asleep, as the optimizer expects it. Returns the seconds it took (0 when it skips)."""
         every = self.cfg.logging.eval_every_updates
         if not every or update % every or update >= self.cfg.algo.total_updates:
-            return
+            return 0.0
+        t0 = time.perf_counter()
         self.sync_weights()
         self.evaluate(f"update {update}")
         self.engines.sleep()
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         if self.rank0:

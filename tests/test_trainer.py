@@ -137,6 +137,10 @@ def test_learner_offloaded_while_generating(setup):
     evals = [(r["label"], r["update"]) for r in records(run) if r["kind"] == "eval"]
     assert evals == [("before", 0), ("update 4", 4), ("update 8", 8), ("after", 9)]
     phases = [r for r in records(run) if r["kind"] == "phase"]
+    # the held-out scoring inside phases 1 and 2 is timed apart from their optimization
+    assert ["eval_seconds" in p for p in phases] == [False, True, True]
+    assert all(p["eval_seconds"] > 0 for p in phases[1:])
+    phases = [r for r in records(run) if r["kind"] == "phase"]
     for p in phases:
         assert p["offload_gib"] > 0 and p["onload_seconds"] > 0
         assert p["switch_seconds"] >= p["offload_seconds"] + p["onload_seconds"]
