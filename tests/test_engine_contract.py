@@ -68,6 +68,8 @@ def check_contract(out):
         assert "refused" in gaps[how] or gaps[how]["mean"] > 0.05, (how, gaps[how])
     assert gaps["pad_vocab"]["refused"], "a padded vocabulary must not load silently"
     assert all(r["greedy_equal"]), r["greedy_equal"]
+    # a prompt streamed at position k samples what it samples at index k of one call
+    assert r["stream"]["same_tokens"] and r["stream"]["max_logprob_diff"] < 1e-5, r["stream"]
     return r
 
 
@@ -123,7 +125,7 @@ def test_trainer_end_to_end_with_sglang(tmp_path):
     hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=5)
     sets = {"model.path": hf, "model.dtype": "float32", "parallel.tensor": 2,
             "parallel.micro_batch_size": 4, "rollout.engine": "sglang", "rollout.group_size": 4,
-            "rollout.max_new_tokens": 12, "rollout.generate_chunk_prompts": 4,
+            "rollout.max_new_tokens": 12, "rollout.shard_prompts": 4,
             "rollout.mismatch_check_samples": 4, "algo.total_updates": 6,
             "algo.updates_per_phase": 3, "algo.prompts_per_phase": 8, "algo.samples_per_update": 16,
             "optim.lr": 1e-3, "data.num_arithmetic_problems": 64, "data.max_prompt_tokens": 64,

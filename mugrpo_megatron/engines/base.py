@@ -4,8 +4,8 @@ release and reclaim accelerator memory, shut down."""
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,6 +54,9 @@ class WeightSyncStats:
 class RolloutEngine(abc.ABC):
     """A rollout engine holding a copy of the policy in HF layout."""
 
+    streams: bool = False
+    """Whether ``generate_stream`` refills the batch as groups finish (a step API); without it
+    the trainer streams in windows of ``rollout.shard_prompts``, so shards keep landing."""
     supports_sleep: bool = False
     """Whether sleep() really frees accelerator memory (False on CPU: it is a no-op there)."""
 
@@ -61,6 +64,34 @@ class RolloutEngine(abc.ABC):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
                  ) -> list[list[Generation]]:
         """``sampling.n`` responses for each prompt (token ids), in prompt order."""
+
+    def generate_stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                        positions: Sequence[int], max_in_flight: int = 0
+                        ) -> Iterator[tuple[int, list[Generation]]]:
+        """``sampling.n`` responses for each prompt, yielded as ``(i, responses)`` as each
+        prompt's group finishes, in any order.
+
+        Prompt ``i`` is sampled as if it stood at index ``positions[i]`` of one ``generate``
+        call (seed ``sampling.seed + positions[i] * n``): its samples depend on its position in
+        the phase, not on which replica serves it or what else is in flight. At most
+        ``max_in_flight`` prompts are in the engine at once (0: all of them).
+
+        This default calls ``generate`` on windows of ``max_in_flight`` prompts, one call per run
+        of consecutive positions, so each window waits for its slowest response; engines with a
+        step API (vLLM) override it to refill the batch as each group finishes."""
+        window = max_in_flight or len(prompts)
+        for lo in range(0, len(prompts), window):
+            hi = min(lo + window, len(prompts))
+            start = lo
+            while start < hi:
+                end = start + 1
+                while end < hi and positions[end] == positions[end - 1] + 1:
+                    end += 1
+                spec = sampling if sampling.seed is None else \
+                    replace(sampling, seed=sampling.seed + positions[start] * sampling.n)
+                for k, group in enumerate(self.generate(prompts[start:end], spec)):
+                    yield start + k, group
+                start = end
 
     @abc.abstractmethod
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:

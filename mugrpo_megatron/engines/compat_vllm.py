@@ -10,6 +10,9 @@ read; ``tests/test_compat.py`` fails, naming the symbol, when a release moves or
   (``vllm.model_executor.model_loader.reload.layerwise``, 0.16+).
 - ``refresh_tied_lm_head`` (every device) and ``repack_cpu_experts`` (vLLM-CPU only): worker
   internals re-derived after ``reload_weights``, which skips them.
+- ``finished_requests`` and ``abort_requests``: one scheduler step of ``LLM.llm_engine`` (what
+  ``LLM.wait_for_completion`` loops over) and its abort, so a replica can stream: refill its batch
+  with ``LLM.enqueue`` as groups finish, instead of waiting for a whole call's slowest response.
 - ``shutdown_in_process``: ``LLM.llm_engine.engine_core.shutdown()``, which ``LLM`` has no
   public call for.
 """
@@ -30,6 +33,10 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "vllm.model_executor.model_loader.reload.layerwise:logger",
     "vllm.v1.worker.gpu_worker:Worker.reload_weights",
     "vllm.v1.engine.llm_engine:LLMEngine",
+    "vllm.v1.engine.llm_engine:LLMEngine.step",
+    "vllm.v1.engine.llm_engine:LLMEngine.abort_request",
+    "vllm.entrypoints.llm:LLM.enqueue",
+    "vllm.v1.engine.input_processor:InputProcessor.assign_request_id",
     "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.process_weights_after_loading",
     "vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead",
 )
@@ -132,3 +139,22 @@ def shutdown_in_process(owner, *, private: bool) -> None:
             core.shutdown()
         del owner.llm
         gc.collect()
+
+
+def external_request_id(request_id: str) -> str:
+    """The id ``LLM.enqueue`` numbered a request with, which ``RequestOutput.request_id`` and
+    ``abort_request`` use: vLLM 0.32 returns its internal id from ``add_request``, the external
+    one with ``-`` and 8 random characters appended (``InputProcessor.assign_request_id``)."""
+    return request_id.split("-", 1)[0]
+
+
+def finished_requests(llm) -> list:
+    """Run one scheduler step of ``llm`` and return the requests it finished (``RequestOutput``
+    with every sample: ``LLM.enqueue`` asks for final-only outputs)."""
+    return [out for out in llm.llm_engine.step() if out.finished]
+
+
+def abort_requests(llm, request_ids: list[str]) -> None:
+    """Drop requests still in ``llm``'s scheduler (a stream that stopped early)."""
+    if request_ids:
+        llm.llm_engine.abort_request(request_ids)

@@ -3,8 +3,10 @@
 Two placements (``rollout.placement``):
 
 - **spmd** (vLLM): every rank hosts one tensor-parallel rank of an engine; ranks
-  ``[r * tp, (r + 1) * tp)`` form replica ``r``. A generation call splits the prompts into one
-  contiguous share per replica; the ranks of a replica all submit that share (vLLM's external
+  ``[r * tp, (r + 1) * tp)`` form replica ``r``. A phase's generation does not come through
+  here: each replica streams its share on its own (``phase_generation``), and ``agree`` ends it.
+  A ``generate`` call (held-out evaluation) splits the prompts into one contiguous share per
+  replica; the ranks of a replica all submit that share (vLLM's external
   launcher runs one scheduler per rank and relies on them seeing the same requests), and the
   replicas' answers are gathered on rank 0. Weights reach every replica from the learner ranks
   it shares a process with: the export stream already hands every rank every tensor.
@@ -122,6 +124,11 @@ class EngineFleet:
         if rank != 0:
             return None
         return [group for part in parts if part is not None for group in part]
+
+    def agree(self, error: str) -> str:
+        """The first failing rank's error on every rank, '' when none failed (collective): what
+        ends work each replica did on its own, such as streaming its share of a phase."""
+        return _agree(error)
 
     def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]
                        ) -> tuple[WeightSyncStats | None, str]:

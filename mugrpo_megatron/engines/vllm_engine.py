@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -27,6 +28,9 @@ from mugrpo_megatron.config import RolloutConfig
 from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
 from mugrpo_megatron.engines.compat_torch import torch_state_kept
 from mugrpo_megatron.engines.compat_vllm import (
+    abort_requests,
+    external_request_id,
+    finished_requests,
     learner_world_kept,
     quiet_expected_reload_warnings,
     refresh_tied_lm_head,
@@ -36,6 +40,8 @@ from mugrpo_megatron.engines.compat_vllm import (
 
 
 class VLLMEngine(RolloutEngine):
+    streams = True
+
     def __init__(self, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
                  trust_remote_code: bool = False, spmd: bool = False):
         on_gpu = torch.cuda.is_available()
@@ -65,33 +71,72 @@ class VLLMEngine(RolloutEngine):
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self._broken = ""
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
-                 ) -> list[list[Generation]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
+    def _check_usable(self) -> None:
         if self._broken:
             raise RuntimeError(f"the engine's weights are undefined since an update failed "
                                f"({self._broken}); restart the engine")
-        def params(i: int) -> SamplingParams:
-            # vLLM seeds the j-th of the n samples with seed + j: prompts n apart never share one
-            seed = None if sampling.seed is None else sampling.seed + i * sampling.n
-            return SamplingParams(n=sampling.n, max_tokens=sampling.max_new_tokens,
-                                  temperature=sampling.temperature, top_p=sampling.top_p,
-                                  top_k=sampling.top_k if sampling.top_k > 0 else 0,
-                                  seed=seed, logprobs=0)
 
+    @staticmethod
+    def _params(sampling: SamplingSpec, position: int):
+        from vllm import SamplingParams
+
+        # vLLM seeds the j-th of the n samples with seed + j: prompts n apart never share one
+        seed = None if sampling.seed is None else sampling.seed + position * sampling.n
+        return SamplingParams(n=sampling.n, max_tokens=sampling.max_new_tokens,
+                              temperature=sampling.temperature, top_p=sampling.top_p,
+                              top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                              seed=seed, logprobs=0)
+
+    @staticmethod
+    def _group(out) -> list[Generation]:
+        gens = []
+        for c in out.outputs:
+            ids = tuple(int(t) for t in c.token_ids)
+            lps = tuple(float(step[t].logprob) for step, t in zip(c.logprobs, ids))
+            gens.append(Generation(ids, lps, "length" if c.finish_reason == "length" else "stop"))
+        return gens
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
+                 ) -> list[list[Generation]]:
+        from vllm.inputs import TokensPrompt
+
+        self._check_usable()
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                    [params(i) for i in range(len(prompts))], use_tqdm=False)
-        result = []
-        for out in outputs:
-            gens = []
-            for c in out.outputs:
-                ids = tuple(int(t) for t in c.token_ids)
-                lps = tuple(float(step[t].logprob) for step, t in zip(c.logprobs, ids))
-                gens.append(Generation(ids, lps, "length" if c.finish_reason == "length" else "stop"))
-            result.append(gens)
-        return result
+                                    [self._params(sampling, i) for i in range(len(prompts))],
+                                    use_tqdm=False)
+        return [self._group(out) for out in outputs]
+
+    def generate_stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                        positions: Sequence[int], max_in_flight: int = 0
+                        ) -> Iterator[tuple[int, list[Generation]]]:
+        """Continuous batching across the whole share: ``max_in_flight`` prompts are queued, and
+        each finished group is replaced by the next prompt at the next scheduler step. Every rank
+        of a tensor-parallel replica runs this same loop on the same outputs, so their
+        schedulers see the same requests in the same order."""
+        from vllm.inputs import TokensPrompt
+
+        self._check_usable()
+        window = max_in_flight or len(prompts)
+        waiting = iter(range(len(prompts)))
+        in_flight: dict[str, int] = {}
+
+        def refill() -> None:
+            todo = list(islice(waiting, window - len(in_flight)))
+            if todo:
+                ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=list(prompts[i]))
+                                        for i in todo],
+                                       [self._params(sampling, positions[i]) for i in todo],
+                                       use_tqdm=False)
+                in_flight.update(zip(map(external_request_id, ids), todo))
+
+        try:
+            refill()
+            while in_flight:
+                for out in finished_requests(self.llm):
+                    yield in_flight.pop(out.request_id), self._group(out)
+                refill()
+        finally:
+            abort_requests(self.llm, list(in_flight))  # a consumer that stopped early
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
         counted = {"tensors": 0, "bytes": 0}

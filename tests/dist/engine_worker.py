@@ -84,6 +84,18 @@ def main() -> None:
         return batch, box[0]
 
     sync()
+    if engines.engine is not None:
+        # streaming (refilled as groups finish, positions out of order) samples what one call does
+        spec = SamplingSpec(n=2, max_new_tokens=12, temperature=cfg.rollout.temperature, seed=7)
+        order = [2, 0, 3, 1]
+        whole = engines.engine.generate([PROMPTS[i] for i in order], spec)
+        streamed = dict(engines.engine.generate_stream(
+            [PROMPTS[i] for i in order[::-1]], spec, positions=[3, 2, 1, 0], max_in_flight=2))
+        pairs = [(a, b) for k in range(4) for a, b in zip(whole[3 - k], streamed[k])]
+        result["stream"] = {
+            "same_tokens": all(a.token_ids == b.token_ids for a, b in pairs),
+            "max_logprob_diff": max(abs(x - y) for a, b in pairs
+                                    for x, y in zip(a.logprobs, b.logprobs))}
     batch, _ = sample_and_score("initial")
     step = learner.train_step(batch)
     result["step"] = {"loss": step.loss, "skipped": step.skipped}
