@@ -30,7 +30,7 @@ def run(model: Path, run_dir: Path, mu: int, args) -> dict:
         "model.path": model, "model.dtype": "float32", "parallel.micro_batch_size": 8,
         "parallel.distributed_optimizer": "false",
         "rollout.group_size": g, "rollout.max_new_tokens": args.max_new_tokens,
-        "rollout.generate_chunk_prompts": 1024, "rollout.mismatch_check_samples": 0,
+        "rollout.shard_prompts": 1024, "rollout.mismatch_check_samples": 0,
         "algo.total_updates": args.updates, "algo.updates_per_phase": mu,
         "algo.prompts_per_phase": per_update * mu // g, "algo.samples_per_update": per_update,
         "algo.drop_uniform_groups": "false", "algo.seed": args.seed, "optim.lr": args.lr,

@@ -151,10 +151,17 @@ class RolloutConfig(_Section):
     """Release the engine's GPU memory (weights and KV cache) while the learner optimizes."""
     weight_bucket_mb: int = 512
     """Size of one bucket of weights streamed from the learner to the engine, in MiB."""
-    generate_chunk_prompts: int = 64
-    """Prompts per generation call; each chunk is scored and written to the run directory before
-    the next, so a killed run loses at most one chunk of generation. With several engine replicas
-    (placement spmd) each takes an even share of a chunk: keep a share large enough to batch well."""
+    shard_prompts: int = 64
+    """Groups (prompts, each with its G responses) per rollout shard. A replica's leader scores
+    finished groups and writes them to the run directory a shard at a time, so a kill loses at
+    most the groups in the engine plus about one shard per replica. Larger shards: fewer files
+    (each mapped shard holds a file descriptor on every rank; 10^6 responses at G = 8 and 256
+    prompts a shard is ~490 files)."""
+    max_inflight_prompts: int = 0
+    """Prompts each replica keeps queued in its engine while it streams its share of a phase
+    (each finished group is replaced by the next prompt); 0: the whole share at once, which lets
+    vLLM's scheduler fill the batch as memory allows. SGLang has no step API here: it takes
+    windows of this many (0: rollout.shard_prompts), each waiting for its slowest response."""
     eval_samples: int = 1
     """Responses per held-out prompt in evaluation (k of mean@k and pass@k); 1 decodes greedily."""
     mismatch_check_samples: int = 4
@@ -165,8 +172,8 @@ class RolloutConfig(_Section):
 
     def __post_init__(self) -> None:
         self._positive("tensor_parallel", "group_size", "max_new_tokens", "cpu_kv_cache_gib",
-                       "weight_bucket_mb", "generate_chunk_prompts", "eval_samples")
-        self._non_negative("mismatch_check_samples")
+                       "weight_bucket_mb", "shard_prompts", "eval_samples")
+        self._non_negative("mismatch_check_samples", "max_inflight_prompts")
         if not 0 < self.temperature:
             self._fail("temperature", "must be > 0")
         if not 0 < self.top_p <= 1:
@@ -362,7 +369,11 @@ class RewardConfig(_Section):
     """Hard wall-clock limit for scoring one response; past it the worker is killed and the
     response scores 0."""
     num_workers: int = 2
-    """Processes scoring responses in parallel."""
+    """Processes scoring responses in parallel (a pool beside each engine replica's leader)."""
+    batch_responses: int = 32
+    """Responses sent to a worker as one task. Batching spreads the pool's per-task cost (~0.5 ms
+    here) over many cheap rewards; a batch that runs past timeout_s (or whose worker dies) is
+    scored again one response per task, so each response still has its own timeout_s."""
     max_answer_chars: int = 1000
     """Longest extracted answer passed to the verifier; longer ones score 0 without parsing."""
     max_abs_reward: float = 1e6
@@ -373,7 +384,8 @@ class RewardConfig(_Section):
     def __post_init__(self) -> None:
         if not self.name:
             self._fail("name", "must be a registered name or a dotted path")
-        self._positive("timeout_s", "num_workers", "max_answer_chars", "max_abs_reward")
+        self._positive("timeout_s", "num_workers", "batch_responses", "max_answer_chars",
+                       "max_abs_reward")
 
 
 @dataclass(frozen=True)

@@ -3,32 +3,31 @@
 Prints a summary of the phase (samples, groups, reward, advantage, response length, finish
 reasons, uniform groups) and K decoded samples with their reward, advantage and length.
 
-The summary streams the parquet files record batch by record batch and reads only the columns it
-needs, so memory is bounded by one batch (16k responses) plus one int32 per response (the length
-percentiles) and one pair of floats per group: at 10^6 responses and 10^9 tokens it reads the
-~4 GB token column once, batch by batch, and keeps ~12 MB. Only the K samples shown are decoded.
+The summary maps the phase's shards (``phase_store``) one at a time and reads only the columns it
+needs (the token column's offsets, not its values), so memory is bounded by one shard's small
+columns plus one int32 per response (the length percentiles), one pair of floats per group and,
+for a generated phase, the index's advantage column: ~30 MB at 10^6 responses. Only the K samples
+shown are decoded.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-_SUMMARY_COLUMNS = ["group", "reward", "advantage", "finish_reason", "response_ids"]
-_BATCH_ROWS = 16_384
+from mugrpo_megatron.phase_store import column, is_generated, open_table, phase_dir, shard_paths
 
 
 @dataclass
 class PhaseSummary:
     files: list[Path]
     complete: bool
-    """Whether the phase finished generating (final.parquet, with advantages)."""
+    """Whether the phase finished generating (index.arrow, with advantages)."""
     num_samples: int = 0
     reward_sum: float = 0.0
     reward_sq_sum: float = 0.0
@@ -49,8 +48,9 @@ class PhaseSummary:
         uniform = sum(lo == hi for lo, hi in self.groups.values())
         lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(1)
         p50, p95 = np.percentile(lengths, [50, 95])
-        state = ("complete (final.parquet, with advantages)" if self.complete else
-                 f"generation not finished: {len(self.files)} part file(s), no advantages yet")
+        state = (f"complete ({len(self.files)} shard(s) and index.arrow, with advantages)"
+                 if self.complete else
+                 f"generation not finished: {len(self.files)} shard(s), no advantages yet")
         lines = [
             f"phase {phase}: {state}",
             f"  samples {self.num_samples} in {len(self.groups)} groups; "
@@ -68,68 +68,66 @@ class PhaseSummary:
 
 
 def phase_files(run_dir: Path, phase: int) -> tuple[list[Path], bool]:
-    """The phase's parquet files (final.parquet alone when it exists) and whether it is final."""
-    d = run_dir / "rollouts" / f"phase_{phase:04d}"
+    """The phase's shards and whether the phase is generated (its index written)."""
+    d = phase_dir(run_dir, phase)
     if not d.is_dir():
         have = sorted(p.name for p in (run_dir / "rollouts").glob("phase_*")) \
             if (run_dir / "rollouts").is_dir() else []
         raise ValueError(f"{d}: no rollouts for phase {phase} (phases on disk: "
                          f"{', '.join(have) or 'none'})")
-    final = d / "final.parquet"
-    if final.exists():
-        return [final], True
-    parts = sorted(d.glob("part_*.parquet"))
-    if not parts:
-        raise ValueError(f"{d}: no final.parquet and no part_*.parquet files")
-    return parts, False
+    shards = shard_paths(d)
+    if not shards:
+        raise ValueError(f"{d}: no shard_*.arrow files (a phase written by an older version "
+                         f"holds part_*.parquet files, which this version does not read)")
+    return shards, is_generated(d)
 
 
 def summarize(files: list[Path], complete: bool) -> PhaseSummary:
     s = PhaseSummary(files, complete)
     for path in files:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS,
-                                                       columns=_SUMMARY_COLUMNS):
-            reward = batch.column("reward").to_numpy(zero_copy_only=False)
-            adv = batch.column("advantage").to_numpy(zero_copy_only=False)
-            lengths = pc.list_value_length(batch.column("response_ids")).to_numpy(
-                zero_copy_only=False).astype(np.int64)
-            s.num_samples += len(reward)
-            s.reward_sum += float(reward.sum())
-            s.reward_sq_sum += float((reward * reward).sum())
-            s.adv_sum += float(adv.sum())
-            s.adv_abs_sum += float(np.abs(adv).sum())
-            s.adv_neg += int((adv < 0).sum())
-            s.length_sum += int(lengths.sum())
-            s.length_max = max(s.length_max, int(lengths.max(initial=0)))
-            s.lengths.append(lengths.astype(np.int32))
-            counts = pc.value_counts(batch.column("finish_reason"))
-            for item in counts.to_pylist():
-                s.finish[item["values"]] = s.finish.get(item["values"], 0) + item["counts"]
-            # per-group reward range in one pass over the batch (a group may span two batches):
-            # a dict entry per group, 1.25e5 at 10^6 responses and G = 8, ~20 MB
-            ids, inverse = np.unique(batch.column("group").to_numpy(zero_copy_only=False),
-                                     return_inverse=True)
-            lo, hi = np.full(len(ids), math.inf), np.full(len(ids), -math.inf)
-            np.minimum.at(lo, inverse, reward)
-            np.maximum.at(hi, inverse, reward)
-            for g, a, b in zip(ids.tolist(), lo.tolist(), hi.tolist()):
-                old_lo, old_hi = s.groups.get(g, (math.inf, -math.inf))
-                s.groups[g] = (min(old_lo, a), max(old_hi, b))
+        t = open_table(path)
+        reward = column(t, "reward")
+        lengths = np.diff(t.column("response_ids").chunk(0).offsets.to_numpy()).astype(np.int64)
+        s.num_samples += len(reward)
+        s.reward_sum += float(reward.sum())
+        s.reward_sq_sum += float((reward * reward).sum())
+        s.length_sum += int(lengths.sum())
+        s.length_max = max(s.length_max, int(lengths.max(initial=0)))
+        s.lengths.append(lengths.astype(np.int32))
+        for item in pc.value_counts(t.column("finish_reason")).to_pylist():
+            s.finish[item["values"]] = s.finish.get(item["values"], 0) + item["counts"]
+        # a shard holds whole groups: one np.unique per shard, a dict entry per group
+        # (1.25e5 at 10^6 responses and G = 8, ~20 MB)
+        ids, inverse = np.unique(column(t, "group"), return_inverse=True)
+        lo, hi = np.full(len(ids), math.inf), np.full(len(ids), -math.inf)
+        np.minimum.at(lo, inverse, reward)
+        np.maximum.at(hi, inverse, reward)
+        s.groups.update(zip(ids.tolist(), zip(lo.tolist(), hi.tolist())))
+    if complete:
+        adv = column(open_table(files[0].parent / "index.arrow"), "advantage")
+        s.adv_sum, s.adv_abs_sum = float(adv.sum()), float(np.abs(adv).sum())
+        s.adv_neg = int((adv < 0).sum())
     return s
 
 
-def pick_rows(files: list[Path], rows: list[int]) -> list[dict]:
-    """The given global row numbers of the phase (ascending), read batch by batch."""
-    out, want, base = [], sorted(rows), 0
-    for path in files:
-        f = pq.ParquetFile(path)
-        for batch in f.iter_batches(batch_size=_BATCH_ROWS):
-            inside = [r - base for r in want if base <= r < base + batch.num_rows]
-            if inside:
-                out += pa.Table.from_batches([batch]).take(inside).to_pylist()
-            base += batch.num_rows
-            if base > want[-1]:
-                return out
+def pick_rows(files: list[Path], complete: bool, rows: list[int]) -> list[dict]:
+    """The given row numbers of the phase: in phase order (group, then sample) when it is
+    generated, else in shard order."""
+    if complete:
+        index = open_table(files[0].parent / "index.arrow")
+        names = [p.name for p in files]
+        shard_names = json.loads(index.schema.metadata[b"shards"])
+        shard, row, adv = (column(index, k) for k in ("shard", "row", "advantage"))
+        where = [(names.index(shard_names[shard[r]]), int(row[r]), float(adv[r])) for r in rows]
+    else:
+        sizes = np.cumsum([0] + [open_table(p).num_rows for p in files])
+        where = [(int(np.searchsorted(sizes, r, side="right") - 1), 0, None) for r in rows]
+        where = [(s, r - int(sizes[s]), None) for (s, _, _), r in zip(where, rows)]
+    out = []
+    for shard, row, adv in where:
+        rec = open_table(files[shard]).slice(row, 1).to_pylist()[0]
+        rec["advantage"] = adv
+        out.append(rec)
     return out
 
 
@@ -140,12 +138,11 @@ def show(run_dir: Path, phase: int, k: int, tokenizer=None) -> str:
     if k and summary.num_samples:
         step = max(summary.num_samples // k, 1)  # spread over the phase, first of each stretch
         rows = list(range(0, summary.num_samples, step))[:k]
-        for row, r in zip(rows, pick_rows(files, rows)):
+        for row, r in zip(rows, pick_rows(files, complete, rows)):
             text.append(f"\n--- sample {row}: prompt row {r['prompt_index']}, group {r['group']}, "
                         f"reward {r['reward']:.3f}, advantage "
                         + (f"{r['advantage']:+.3f}" if complete else "- (phase not finished)")
-                        + f", "
-                        f"{len(r['response_ids'])} tokens, finish {r['finish_reason']}")
+                        + f", {len(r['response_ids'])} tokens, finish {r['finish_reason']}")
             if tokenizer is None:
                 text.append(f"prompt ids: {r['prompt_ids']}\nresponse ids: {r['response_ids']}")
             else:

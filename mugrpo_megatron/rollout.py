@@ -1,16 +1,17 @@
-"""Rollout data: samples from the engine, their rewards and advantages, and batches for the learner.
+"""Batches for the learner from rollout rows, and the train/inference log-prob gap.
 
-Pure torch: no engine, no learner.
+A phase's rollouts live on disk (``phase_store``); ``Sample`` is one response as a Python object,
+for tests, benchmarks and the engine contract checks, never a whole phase. No engine, no learner.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from mugrpo_megatron.objective import group_advantages
 from mugrpo_megatron.types import TrainBatch
 
 
@@ -33,39 +34,30 @@ class Sample:
     advantage: float = 0.0
 
 
-def with_advantages(samples: Sequence[Sample], group_size: int, eps: float) -> list[Sample]:
-    """Group-normalised advantages, computed once per phase (samples ordered by group)."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    adv = group_advantages(rewards, group_size, eps)
-    return [replace(s, advantage=float(a)) for s, a in zip(samples, adv)]
-
-
-def uniform_groups(samples: Sequence[Sample], group_size: int) -> set[int]:
-    """Groups whose G rewards are all equal: they carry no learning signal."""
-    out = set()
-    for start in range(0, len(samples), group_size):
-        rewards = {s.reward for s in samples[start:start + group_size]}
-        if len(rewards) == 1:
-            out.add(samples[start].group)
-    return out
+def padded_batch(rows: Sequence[tuple[Sequence[int], Sequence[int], Sequence[float]]],
+                 advantages: Sequence[float], pad_id: int = 0, multiple_of: int = 1) -> TrainBatch:
+    """Right-padded prompt+response rows from (prompt ids, response ids, behaviour log-probs)
+    (tuples or numpy views of a mapped shard); the length is rounded up to ``multiple_of``.
+    Memory and time: the batch."""
+    lengths = [len(p) + len(r) for p, r, _ in rows]
+    seq = -(-max(lengths) // multiple_of) * multiple_of
+    tokens = np.full((len(rows), seq), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), seq), dtype=bool)
+    behav = np.zeros((len(rows), seq), dtype=np.float32)
+    for k, (p, r, lp) in enumerate(rows):
+        a, b = len(p), len(p) + len(r)
+        tokens[k, :a] = p
+        tokens[k, a:b] = r
+        behav[k, a:b] = lp
+        mask[k, a:b] = True
+    return TrainBatch(torch.from_numpy(tokens), torch.from_numpy(mask), torch.from_numpy(behav),
+                      torch.as_tensor(np.asarray(advantages, dtype=np.float32)))
 
 
 def to_batch(samples: Sequence[Sample], pad_id: int = 0, multiple_of: int = 1) -> TrainBatch:
-    """Right-padded prompt+response rows; the sequence length is rounded up to ``multiple_of``."""
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    seq = -(-max(lengths) // multiple_of) * multiple_of
-    tokens = torch.full((len(samples), seq), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), seq), dtype=torch.bool)
-    behav = torch.zeros((len(samples), seq), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        tokens[i, :p] = torch.tensor(s.prompt_ids)
-        if r:
-            tokens[i, p:p + r] = torch.tensor(s.response_ids)
-            behav[i, p:p + r] = torch.tensor(s.behav_logprobs)
-            mask[i, p:p + r] = True
-    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return TrainBatch(tokens, mask, behav, adv)
+    """``padded_batch`` of ``Sample`` objects (tests, benchmarks, the engine contract checks)."""
+    return padded_batch([(s.prompt_ids, s.response_ids, s.behav_logprobs) for s in samples],
+                        [s.advantage for s in samples], pad_id, multiple_of)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 GRPO (mu = 4) and Mu-GRPO (mu = 1024) are configs of this one loop. Every rank runs the learner
 and drives the rollout engines collectively (``engines.fleet``: a tensor-parallel rank of a
-replica on every rank, or one engine on global rank 0). Global rank 0 also holds the reward
-workers and the rollout store, and hands the phase's samples to the other ranks.
+replica on every rank, or one engine on global rank 0). Each replica streams its share of a
+phase and its leader scores and writes it as shards (``phase_generation``); every rank then maps
+the phase's files and reads only each update's rows (``phase_store.PhaseData``): no rank holds a
+whole phase and none is sent one.
 """
 
 from __future__ import annotations
@@ -11,26 +13,34 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.config_loader import to_dict
 from mugrpo_megatron.data import load_prompts
-from mugrpo_megatron.engines import SamplingSpec
 from mugrpo_megatron.engines.fleet import EngineFleet
 from mugrpo_megatron.evaluation import eval_sampling, score_eval
 from mugrpo_megatron.learner.checkpoint import load_learner, prune, save_learner, usable_checkpoint
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.metrics import MetricsLogger
+from mugrpo_megatron.phase_generation import (
+    ReplicaCounts,
+    ShardWriter,
+    pending_positions,
+    sampling_for_phase,
+    share,
+    sum_counts,
+)
+from mugrpo_megatron.phase_store import PhaseData, finalize, is_generated, phase_dir
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
-from mugrpo_megatron.rollout import Sample, logprob_gap, to_batch, uniform_groups, with_advantages
-from mugrpo_megatron.rollout_store import RolloutStore
+from mugrpo_megatron.rollout import logprob_gap
 from mugrpo_megatron.run_dir import record_start
 from mugrpo_megatron.scheduler import Phase, PhaseScheduler
 
@@ -71,15 +81,12 @@ class Trainer:
         self.prompts, report = load_prompts(cfg.data, self.tokenizer)
         self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer, held_out=True)
         self.schedule = PhaseScheduler(cfg.algo, cfg.rollout.group_size, len(self.prompts))
-        self.store = RolloutStore(self.run_dir)
         self.log = MetricsLogger(cfg.logging, self.run_dir, self.rank0, to_dict(cfg))
         self.progress = Progress(enabled=self.rank0 and cfg.logging.progress)
         off = cfg.parallel.offload_learner
         self.offload = off == "always" or (off == "auto" and torch.cuda.is_available())
-        self.scorer = None
         if self.rank0:
             self.progress.note(f"data: {report.summary()}; held out: {len(self.eval_prompts)}")
-            self.scorer = RewardScorer(cfg.reward)
         # the engine sizes its memory from what is free when it starts: the learner steps aside
         with self.learner_offloaded():
             self.engines = EngineFleet.start(
@@ -88,6 +95,9 @@ class Trainer:
                 trust_remote_code=cfg.model.trust_remote_code)
             self.engines.sleep()  # awake only to generate (and take weights), not while training
         self.progress.note(f"rollout: {self.engines.describe()}")
+        # a reward pool beside each replica's leader (global rank 0 leads replica 0 and also
+        # scores the held-out set)
+        self.scorer = RewardScorer(cfg.reward) if self.engines.is_leader else None
         # the learner update whose weights the engine holds (None: the checkpoint it started from)
         self._engine_has: int | None = None
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -113,8 +123,8 @@ class Trainer:
             if phase.first_update + phase.num_updates <= self.start_update:
                 continue  # finished before a restart
             times = PhaseTimes()
-            samples = self.rollout(phase, times)
-            self.optimize(phase, samples, times)
+            data = self.rollout(phase, times)
+            self.optimize(phase, data, times)
         self.sync_weights()
         self.evaluate("after")
         if self.cfg.checkpoint.export_hf:
@@ -128,20 +138,21 @@ class Trainer:
             path = write_report(self.run_dir)
             self.progress.note(f"report: {path}")
 
-    def rollout(self, phase: Phase, times: PhaseTimes) -> list[Sample]:
-        """The phase's scored samples with advantages: from disk if this phase already generated."""
-        samples = self.store.final(phase.index) if self.rank0 else None
-        if self._from_rank0(samples is None):
+    def rollout(self, phase: Phase, times: PhaseTimes) -> PhaseData:
+        """The phase's scored samples with advantages, mapped from disk on every rank; generated
+        first unless an earlier start finished generating this phase."""
+        directory = phase_dir(self.run_dir, phase.index)
+        if not self._from_rank0(is_generated(directory) if self.rank0 else None):
             times.sync = self.sync_weights()  # into the engine's weights, woken alone
             with self.learner_offloaded(times):
                 t0 = time.perf_counter()
                 self.engines.wake()  # the KV cache, now that the learner stepped aside
                 times.switch += time.perf_counter() - t0
-                samples = self.generate(phase, times)
+                self.generate(phase, directory, times)
                 t0 = time.perf_counter()
                 self.engines.sleep()
                 times.switch += time.perf_counter() - t0
-        return self._from_rank0(samples)
+        return PhaseData(directory, drop_uniform=self.cfg.algo.drop_uniform_groups)
 
     @contextmanager
     def learner_offloaded(self, times: PhaseTimes | None = None):
@@ -176,92 +187,92 @@ class Trainer:
         self._engine_has = self.learner.num_updates
         return time.perf_counter() - t0
 
-    def generate(self, phase: Phase, times: PhaseTimes) -> list[Sample] | None:
-        """G samples per prompt (collective), scored and persisted chunk by chunk on rank 0, then
-        advantages; the phase's samples on rank 0, None on the other ranks."""
+    def generate(self, phase: Phase, directory: Path, times: PhaseTimes) -> None:
+        """Every replica streams its share of the groups not yet on disk; leaders score and write
+        shards as groups finish; rank 0 then indexes the phase (collective at both ends only)."""
         r = self.cfg.rollout
-        chunk = r.generate_chunk_prompts
-        done = self.store.parts(phase.index) if self.rank0 else {}
-        kept = self._from_rank0(sorted(done))  # every rank skips the same chunks
-        samples: list[Sample] = []
-        bar = self.progress.bar(f"phase {phase.index} generate", total=len(phase.prompt_indices))
-        # sample j of the phase's k-th prompt has seed phase_seed + k * G + j, however the prompts
-        # are chunked and split over engine replicas
-        phase_seed = (r.seed * 1_000_003 + phase.index * 10_007) % 2**31 * 2**31
-        for part, start in enumerate(range(0, len(phase.prompt_indices), chunk)):
-            rows = phase.prompt_indices[start:start + chunk]
-            if part in kept:
-                samples += done.get(part, [])
-                bar.update(len(rows))
-                continue
-            t0 = time.perf_counter()
-            spec = SamplingSpec(n=r.group_size, max_new_tokens=r.max_new_tokens,
-                                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                seed=phase_seed + start * r.group_size)
+        pending = pending_positions(directory, len(phase.prompt_indices))
+        mine = share(pending, self.engines.replica, self.engines.num_replicas)
+        counts = ReplicaCounts()
+        error = ""
+        t0 = time.perf_counter()
+        if self.engines.engine is not None:
+            writer = ShardWriter(directory, self.scorer, self.tokenizer, self.prompts,
+                                 phase.prompt_indices, r.shard_prompts, counts) \
+                if self.engines.is_leader else None
+            bar = self.progress.bar(
+                f"phase {phase.index} generate (replica {self.engines.replica} of "
+                f"{self.engines.num_replicas})", total=len(mine))
+            stream = self.engines.engine.generate_stream(
+                [self.prompts[phase.prompt_indices[p]].token_ids for p in mine],
+                sampling_for_phase(r, phase.index), positions=mine.tolist(),
+                max_in_flight=r.max_inflight_prompts or
+                (0 if self.engines.engine.streams else r.shard_prompts))
             try:
-                gens = self.engines.generate([self.prompts[i].token_ids for i in rows], spec)
-            except Exception as e:
-                raise RunFailed(
-                    f"phase {phase.index}: the engine failed on prompts {start}..{start + len(rows)}"
-                    f" ({type(e).__name__}: {e}). Kept: {part} generated chunks in "
-                    f"{self.store.root}; resume by running again.") from e
-            times.generate += time.perf_counter() - t0
-            if not self.rank0:
-                continue
-            t0 = time.perf_counter()
-            new = [Sample(phase.index, i, start + j, self.prompts[i].token_ids, g.token_ids,
-                          g.logprobs, g.finish_reason)
-                   for j, (i, group) in enumerate(zip(rows, gens)) for g in group]
-            texts = [self.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)
-                     for s in new]
-            outcome = self.scorer.score(texts, [self.prompts[s.prompt_index].answer for s in new])
-            for msg in outcome.errors:
-                self.progress.note(f"reward: {msg}")
-            times.extra["reward_timeouts"] = times.extra.get("reward_timeouts", 0) + outcome.num_timeouts
-            times.extra["reward_errors"] = times.extra.get("reward_errors", 0) + outcome.num_errors
-            new = [replace(s, reward=rw) for s, rw in zip(new, outcome.rewards)]
-            self.store.write_part(phase.index, part, new)
-            times.score += time.perf_counter() - t0
-            samples += new
-            bar.update(len(rows))
-        bar.close()
-        if not self.rank0:
-            return None
-        samples = with_advantages(samples, r.group_size, self.cfg.algo.adv_eps)
-        self.store.write_final(phase.index, samples)
-        return samples
+                for i, gens in stream:
+                    try:
+                        if writer is not None and not error:
+                            writer.add(int(mine[i]), gens)
+                    except Exception as e:  # noqa: BLE001 - agreed on below
+                        # keep stepping the engine: the other ranks of this replica's tensor-
+                        # parallel group step with it until the share is done
+                        error = f"writing rollouts: {type(e).__name__}: {e}"
+                    bar.update(1)
+                if writer is not None and not error:
+                    writer.close()
+            except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
+                error = error or f"{type(e).__name__}: {e}"
+            bar.close()
+        error = self.engines.agree(error)
+        times.generate = time.perf_counter() - t0
+        total = sum_counts(counts)
+        if error:
+            raise RunFailed(f"phase {phase.index}: generation failed ({error}). Kept: every shard "
+                            f"written in {directory}; resume by running again.")
+        for msg in counts.messages:
+            self.progress.note(f"reward: {msg}")
+        times.score = counts.score_wait_seconds  # rank 0's leader, blocked on its reward pool
+        times.extra.update(reward_timeouts=total.reward_timeouts, reward_errors=total.reward_errors,
+                           generated_groups=total.groups, rollout_shards=total.shards)
+        if times.generate:
+            times.extra["generate_tokens_per_s"] = total.tokens / times.generate
+        if self.rank0:
+            finalize(directory, len(phase.prompt_indices), r.group_size, self.cfg.algo.adv_eps)
+        dist.barrier()  # the index exists before any rank maps it
 
-    def optimize(self, phase: Phase, samples: list[Sample], times: PhaseTimes) -> None:
+    def optimize(self, phase: Phase, data: PhaseData, times: PhaseTimes) -> None:
         """mu updates over the phase's samples; checkpoints; per-update and per-phase metrics."""
-        a, g = self.cfg.algo, self.cfg.rollout.group_size
-        uniform = uniform_groups(samples, g)
-        train = [s for s in samples if s.group not in uniform] if a.drop_uniform_groups else samples
-        gap = self.mismatch_check(samples)
+        train = data.train_rows  # phase rows the updates draw from (uniform groups dropped)
+        gap = self.mismatch_check(data)
         quantum = self.learner.layout.dp_size * self.cfg.parallel.micro_batch_size
         first = max(self.start_update, phase.first_update)
         bar = self.progress.bar(f"phase {phase.index} optimize",
                                 total=phase.first_update + phase.num_updates - first)
         skipped, t_eval = 0, 0.0
         t_opt = time.perf_counter()
-        for mb in (self.schedule.minibatches(phase, len(train)) if train else []):
+        t_data = 0.0
+        for mb in (self.schedule.minibatches(phase, len(train)) if len(train) else []):
             if mb.update < first:
                 continue
-            rows = [train[i] for i in mb.sample_indices]
+            rows = train[np.asarray(mb.sample_indices, dtype=np.int64)]
             rows = rows[:len(rows) - len(rows) % quantum]
-            if not rows:
+            if not len(rows):
                 skipped += 1
                 self._log_update(mb.update, {"skipped": True, "reason": "too few samples"})
                 bar.update(1)
                 continue
-            step = self.learner.train_step(to_batch(rows, self.tokenizer.pad_token_id or 0))
+            t0 = time.perf_counter()
+            batch = data.batch(rows, self.tokenizer.pad_token_id or 0)  # this update's rows only
+            t_data += time.perf_counter() - t0
+            step = self.learner.train_step(batch)
             skipped += step.skipped
-            n_tok = sum(len(s.response_ids) for s in rows)
+            n_tok = int(data.response_len[rows].sum())
             self._log_update(mb.update, {
                 "phase": phase.index, "staleness": mb.step_in_phase, "epoch": mb.epoch,
                 "loss": step.loss, "grad_norm": step.grad_norm, "lr": step.lr,
                 "skipped": step.skipped, "reason": step.reason, "seconds": step.seconds,
                 "tokens_per_s": n_tok / step.seconds if step.seconds else 0.0,
-                "response_len": n_tok / len(rows), "reward": sum(s.reward for s in rows) / len(rows),
+                "response_len": n_tok / len(rows), "reward": float(data.reward[rows].mean()),
                 **{k: v for k, v in step.metrics.items() if not k.startswith("num_")}})
             if step.skipped:
                 self.progress.note(f"update {mb.update} skipped ({step.reason}); parameters and "
@@ -274,20 +285,20 @@ class Trainer:
             t_eval += self.evaluate_every(mb.update + 1)
         bar.close()
         times.optimize = time.perf_counter() - t_opt - t_eval  # the held-out curve is not training
+        times.extra["batch_read_seconds"] = t_data  # reading rows from the shards, in optimize
         if t_eval:
             times.extra["eval_seconds"] = t_eval
         self.save(phase.first_update + phase.num_updates, phase.index)
-        self._log_phase(phase, samples, train, uniform, gap, times, skipped)
+        self._log_phase(phase, data, gap, times, skipped)
 
-    def mismatch_check(self, samples: list[Sample]):
-        """Score a few of the engine's own samples with the learner: the train/inference gap."""
-        n = self.cfg.rollout.mismatch_check_samples
-        if n == 0 or not samples:
-            return None
+    def mismatch_check(self, data: PhaseData):
+        """Score a few of the engine's own samples, read back from the shards, with the learner:
+        the train/inference gap."""
+        n = min(self.cfg.rollout.mismatch_check_samples, data.num_samples)
         n -= n % self.learner.layout.dp_size
         if n == 0:
             return None
-        batch = to_batch(samples[:n], self.tokenizer.pad_token_id or 0)
+        batch = data.batch(np.arange(n), self.tokenizer.pad_token_id or 0)
         logp, _ = self.learner.logprobs(batch)
         return logprob_gap(logp, batch)
 
@@ -328,7 +339,7 @@ class Trainer:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        if self.rank0:
+        if self.scorer is not None:
             self.scorer.close()
         self.engines.shutdown()
         self.log.close()
@@ -351,32 +362,24 @@ class Trainer:
     def _log_update(self, update: int, values: dict) -> None:
         self.log.log("update", update, values)
 
-    def _log_phase(self, phase, samples, train, uniform, gap, times: PhaseTimes, skipped) -> None:
+    def _log_phase(self, phase, data: PhaseData, gap, times: PhaseTimes, skipped) -> None:
         if not self.rank0:
             return
-        n = len(samples)
-        rewards = [s.reward for s in samples]
-        mean = sum(rewards) / n
+        stats = data.stats()
         values = {
-            "phase": phase.index, "first_update": phase.first_update, "reward_mean": mean,
-            "reward_std": (sum((x - mean) ** 2 for x in rewards) / n) ** 0.5,
-            "num_samples": n, "num_train_samples": len(train),
-            "epochs": self.schedule.epochs_per_phase(len(train)) if train else 0.0,
-            "uniform_groups": len(uniform),
-            "uniform_group_frac": len(uniform) * self.cfg.rollout.group_size / n,
-            "response_len": sum(len(s.response_ids) for s in samples) / n,
-            "truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
+            "phase": phase.index, "first_update": phase.first_update, **stats,
+            "epochs": self.schedule.epochs_per_phase(len(data.train_rows))
+            if len(data.train_rows) else 0.0,
             "engine_replicas": self.engines.num_replicas,
             "skipped_updates": skipped, "sync_seconds": times.sync, "switch_seconds": times.switch,
             "generate_seconds": times.generate, "score_seconds": times.score,
             "optimize_seconds": times.optimize, **times.extra,
         }
-        if times.generate:
-            values["generate_tokens_per_s"] = sum(len(s.response_ids) for s in samples) / times.generate
         if gap is not None:
             values.update(logprob_gap_mean=gap.mean, logprob_gap_max=gap.max)
         self.log.log("phase", phase.first_update + phase.num_updates, values)
         self.progress.note(
-            f"phase {phase.index}: reward {mean:.3f}, {len(uniform)} uniform groups, "
-            f"generate {times.generate:.1f}s, sync {times.sync:.2f}s, optimize {times.optimize:.1f}s"
+            f"phase {phase.index}: reward {stats['reward_mean']:.3f}, {stats['uniform_groups']} "
+            f"uniform groups, generate {times.generate:.1f}s, sync {times.sync:.2f}s, "
+            f"optimize {times.optimize:.1f}s"
             + (f", train/infer gap {gap.mean:.2e} (max {gap.max:.2e})" if gap else ""))

@@ -1,6 +1,8 @@
-"""The GPU machine's check script runs end to end (on CPU here, at a tiny size), so that the one
-short run a lent GPU allows is not spent finding a bug in it."""
+"""The benchmarks' quick modes run end to end: the GPU machine's check script (on CPU here, at a
+tiny size, so that the one short run a lent GPU allows is not spent finding a bug in it), the
+paper miniature, and the phase-scale and long-tail benchmarks."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -48,3 +50,22 @@ def test_paper_miniature_quick_mode_has_a_learning_signal(tmp_path):
     assert s["seeds"] == 2 and 0.2 <= s["before"] <= 0.6
     assert s["after"] - s["before"] > s["after_max"] - s["after_min"]
     assert all(run["syncs"] == 1 and run["skipped_updates"] == 0 for run in r["runs"]["mugrpo"])
+
+
+def test_phase_scale_quick_runs_the_data_path():
+    """benchmarks/phase_scale.py --quick: two phase sizes through shards, scoring, the index and
+    per-rank reads on two gloo ranks (the ratios are printed, not asserted)."""
+    proc = subprocess.run([sys.executable, "benchmarks/phase_scale.py", "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "peak RSS grows" in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")
+def test_long_tail_quick_does_the_same_work_three_ways():
+    """benchmarks/long_tail.py --quick: barrier chunks, streaming and bare vLLM on 2 replicas
+    generate exactly the forced lengths."""
+    proc = subprocess.run([sys.executable, "benchmarks/long_tail.py", "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stream / barrier" in proc.stdout

@@ -1,9 +1,8 @@
-"""Rollout data: batches for the learner, advantages, uniform groups, the parquet store."""
+"""Rollout rows: batches for the learner, the log-prob gap, replica shares, engine sleep."""
 
-import torch
+from dataclasses import replace
 
-from mugrpo_megatron.rollout import Sample, logprob_gap, to_batch, uniform_groups, with_advantages
-from mugrpo_megatron.rollout_store import RolloutStore
+from mugrpo_megatron.rollout import Sample, logprob_gap, to_batch
 
 
 def samples():
@@ -18,7 +17,8 @@ def samples():
 
 
 def test_to_batch_layout():
-    b = to_batch(with_advantages(samples(), 2, 1e-6), pad_id=0, multiple_of=4)
+    rows = [replace(x, advantage=a) for x, a in zip(samples(), (0.7, -0.7, 0.0, 0.0))]
+    b = to_batch(rows, pad_id=0, multiple_of=4)
     assert b.tokens.shape == (4, 8)  # longest row 3 + 2 = 5, rounded up to 8
     assert b.tokens[1].tolist() == [5, 6, 8, 9, 0, 0, 0, 0]
     assert b.response_mask[1].tolist() == [False, False, True, True] + [False] * 4
@@ -27,27 +27,10 @@ def test_to_batch_layout():
     assert b.advantages[0] > 0 > b.advantages[1]
 
 
-def test_uniform_groups_and_gap():
-    s = samples()
-    assert uniform_groups(s, 2) == {1}
-    b = to_batch(s)
+def test_gap():
+    b = to_batch(samples())
     gap = logprob_gap(b.behav_logp + 0.25 * b.response_mask, b)
     assert gap.mean == gap.max == 0.25 and gap.num_tokens == int(b.response_mask.sum())
-
-
-def test_store_round_trip(tmp_path):
-    store = RolloutStore(tmp_path)
-    s = with_advantages(samples(), 2, 1e-6)
-    store.write_part(2, 0, s[:2])
-    store.write_part(2, 1, s[2:])
-    assert store.final(2) is None
-    store.write_final(2, s)
-    assert store.parts(2) == {0: s[:2], 1: s[2:]}
-    back = store.final(2)
-    assert [x.prompt_ids for x in back] == [x.prompt_ids for x in s]
-    assert [x.advantage for x in back] == [x.advantage for x in s]
-    assert torch.tensor(back[1].behav_logprobs).tolist() == [-0.5, -1.5]
-    assert not list(tmp_path.rglob("*.tmp"))
 
 
 def test_replica_shares_cover_prompts_in_order():

@@ -30,18 +30,19 @@ def test_resume_checks_the_fingerprint_and_keeps_every_config(model, tmp_path):
     first = (run / "config.yaml").read_text()
     # the layout, logging and engine placement may change on resume
     moved = config(model, run, "rollout.group_size=4", "parallel.tensor=2", "logging.progress=false",
-                   "rollout.tensor_parallel=2", "parallel.offload_learner=always")
+                   "rollout.tensor_parallel=2", "parallel.offload_learner=always",
+                   "rollout.shard_prompts=3")
     assert check(moved, overwrite=False) == "resume"
     record_start(moved, "resume", 2)
     assert (run / "config.yaml").read_text() == first  # kept, not overwritten
     assert "tensor_parallel: 2" in (run / "config.1.yaml").read_text()
     # what the persisted rollouts depend on may not
     other = make_tiny_checkpoint(tmp_path / "other", "qwen2", seed=2)  # another config.json
-    changed = config(other, run, "rollout.group_size=8", "rollout.generate_chunk_prompts=3")
+    changed = config(other, run, "rollout.group_size=8", "rollout.max_new_tokens=13")
     with pytest.raises(ValueError) as e:
         check(changed, overwrite=False)
     msg = str(e.value)
-    for key in ("rollout.group_size: the run has 4, now 8", "rollout.generate_chunk_prompts",
+    for key in ("rollout.group_size: the run has 4, now 8", "rollout.max_new_tokens",
                 "model.path", "model.files_sha256"):
         assert key in msg, msg
     assert "choose a new logging.run_dir" in msg and "parallel." in msg

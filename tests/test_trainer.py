@@ -21,7 +21,7 @@ def command(hf: Path, run_dir: Path, extra: dict | None = None) -> list[str]:
     sets = {
         "model.path": hf, "model.dtype": "float32", "parallel.tensor": 2,
         "parallel.micro_batch_size": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 12,
-        "rollout.generate_chunk_prompts": 2, "rollout.mismatch_check_samples": 4,
+        "rollout.shard_prompts": 2, "rollout.mismatch_check_samples": 4,
         "algo.total_updates": 9, "algo.updates_per_phase": 3, "algo.prompts_per_phase": 8,
         "algo.samples_per_update": 16, "optim.lr": 1e-3, "data.num_arithmetic_problems": 64,
         "data.max_prompt_tokens": 64, "data.eval_path": "builtin:arithmetic", "data.eval_size": 4,
@@ -45,10 +45,10 @@ def run_to_end(hf, run_dir, extra=None):
         assert proc.wait(timeout=900) == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-6000:]
 
 
-def kill_when(hf, run_dir, ready, timeout=600):
+def kill_when(hf, run_dir, ready, timeout=600, extra=None):
     """Start a run and SIGKILL its whole process group as soon as ``ready()`` holds."""
     with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:
-        proc = start(hf, run_dir, log)
+        proc = start(hf, run_dir, log, extra)
         deadline = time.monotonic() + timeout
         while not ready():
             assert proc.poll() is None, "the run ended before the kill point"
@@ -121,7 +121,11 @@ def test_two_phases_end_to_end_at_tp2(setup):
     assert "| before |" in report and "| after |" in report
     assert (ref / "plots" / "training.png").stat().st_size > 10_000
     assert any((ref / "tensorboard").iterdir())
-    assert (ref / "rollouts" / "phase_0002" / "final.parquet").exists()
+    phase2 = ref / "rollouts" / "phase_0002"
+    assert (phase2 / "index.arrow").exists() and len(list(phase2.glob("shard_*.arrow"))) >= 2
+    for p in phases:  # every group generated once, by the two replicas, in shards of 2 groups
+        assert p["generated_groups"] == 8 and p["rollout_shards"] == 4, p
+        assert p["num_samples"] == 32 and p["batch_read_seconds"] >= 0
     assert (ref / "hf" / "model.safetensors.index.json").exists()  # checkpoint.export_hf
 
 
@@ -147,24 +151,33 @@ def test_learner_offloaded_while_generating(setup):
         assert p["logprob_gap_max"] < 1e-4
 
 
-def test_sigkill_mid_generation_then_resume(setup):
+@pytest.mark.parametrize("before,after", [("spmd", "rank0"), ("rank0", "spmd")])
+def test_sigkill_mid_generation_then_resume_with_other_replicas(setup, before, after):
+    """Killed while generating with 2 engine replicas and resumed with 1 (placement spmd, then
+    rank0), and the reverse: the shards on disk are kept as they are, only the missing groups
+    are generated, and every sample (so every loss) equals the uninterrupted run's."""
     d, hf, ref = setup
-    run = d / "killed_in_generation"
+    run = d / f"killed_in_generation_{before}"
     phase1 = run / "rollouts" / "phase_0001"
-    kill_when(hf, run, lambda: (phase1 / "part_00000.parquet").exists())
-    assert not (phase1 / "final.parquet").exists(), "killed too late: phase 1 finished generating"
-    parts_before = {p.name: p.stat().st_mtime_ns for p in phase1.glob("part_*.parquet")}
-    run_to_end(hf, run)
-    # finished work was not redone: phase 0's rollouts and phase 1's first chunk are the old files
-    for name, mtime in parts_before.items():
+    # one reward worker, one response a task: shards land ~1 s apart, so the kill falls between
+    kill_when(hf, run, lambda: any(phase1.glob("shard_*.arrow")),
+              extra={"rollout.placement": before, "reward.num_workers": 1,
+                     "reward.batch_responses": 1})
+    assert not (phase1 / "index.arrow").exists(), "killed too late: phase 1 finished generating"
+    kept = {p.name: p.stat().st_mtime_ns for p in phase1.glob("shard_*.arrow")}
+    run_to_end(hf, run, {"rollout.placement": after})
+    for name, mtime in kept.items():  # finished work was not redone
         assert (phase1 / name).stat().st_mtime_ns == mtime, name
+    phase = [r for r in records(run) if r["kind"] == "phase" and r["phase"] == 1][-1]
+    assert phase["engine_replicas"] == (1 if after == "rank0" else 2)
+    assert phase["generated_groups"] == 8 - 2 * len(kept)  # shards of 2 groups
     assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
 
 
 def test_sigkill_mid_optimization_then_resume(setup):
     d, hf, ref = setup
     run = d / "killed_in_optimization"
-    final1 = run / "rollouts" / "phase_0001" / "final.parquet"
+    final1 = run / "rollouts" / "phase_0001" / "index.arrow"
     kill_when(hf, run, lambda: (run / "metrics.jsonl").exists() and any(
         r["kind"] == "update" and r["update"] == 4 for r in records(run)))
     assert final1.exists()

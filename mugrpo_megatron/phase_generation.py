@@ -1,0 +1,161 @@
+"""Generating one phase: every engine replica streams its share of the phase's prompts, and its
+leader scores and persists whole groups as shards while the engine goes on generating. No
+collective runs between the phase's start and its end.
+
+Who does what (collective at the two ends only):
+
+1. Rank 0 lists the groups already on disk (a resumed phase) and every rank receives that list as
+   one byte per group (``phase.prompts_per_phase`` bytes: 10^5 at the paper's scale).
+2. Each replica takes a static, contiguous, even share of the groups still to generate. Why
+   static and not a shared queue: the phase's prompts are in seeded random order, so equal
+   counts are equal expected work, and at 10^4-10^5 groups per replica the shares finish within a
+   few long responses of each other; a queue would need a coordinator across nodes for a gain of
+   that size. Inside its share a replica streams (``RolloutEngine.generate_stream``): its batch is
+   refilled as groups finish, so no response waits for another.
+3. The replica's leader decodes each finished group and queues it on its own reward pool
+   (``RewardScorer.submit``): scoring never blocks an engine step unless ``_MAX_PENDING_SHARDS``
+   shards are waiting for scores (back-pressure, counted as ``score_wait_seconds``). Scored
+   groups are written as a shard of ``rollout.shard_prompts`` groups (``phase_store``).
+4. At the end, the replicas agree on errors and sum their counts (a few integers), and rank 0
+   indexes the phase: advantages and uniform groups, vectorised, once (``phase_store.finalize``).
+
+Memory on a leader: the groups in flight plus at most ``_MAX_PENDING_SHARDS + 1`` shards of
+generations as Python objects (what vLLM hands back); nothing grows with the phase.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mugrpo_megatron.engines import SamplingSpec
+from mugrpo_megatron.engines.base import Generation
+from mugrpo_megatron.phase_store import ScoredGroup, persisted_groups, write_shard
+from mugrpo_megatron.rewards import PendingScores, RewardScorer
+from mugrpo_megatron.types import Prompt
+
+_MAX_PENDING_SHARDS = 4
+"""Shards a leader lets wait for their scores before it waits too (bounds its memory)."""
+
+
+def phase_seed(seed: int, phase: int) -> int:
+    """Base seed of a phase: sample j of the prompt at position k samples with
+    ``phase_seed + k * G + j``, whichever replica serves it and whenever."""
+    return (seed * 1_000_003 + phase * 10_007) % 2**31 * 2**31
+
+
+def pending_positions(directory: Path, num_groups: int) -> np.ndarray:
+    """Positions of the phase's groups not yet on disk, the same on every rank (collective)."""
+    done = torch.zeros(num_groups, dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        for tmp in directory.glob(".shard_*.arrow.tmp"):  # a shard a kill caught half-written
+            tmp.unlink()
+        done = torch.from_numpy(persisted_groups(directory, num_groups).astype(np.uint8))
+    if dist.get_world_size() > 1:
+        dist.broadcast(done, src=0)
+    return np.flatnonzero(done.numpy() == 0)
+
+
+def share(pending: np.ndarray, replica: int, num_replicas: int) -> np.ndarray:
+    """Replica ``replica``'s contiguous, even share of ``pending`` (see the module docstring)."""
+    n = len(pending)
+    return pending[replica * n // num_replicas:(replica + 1) * n // num_replicas]
+
+
+@dataclass
+class ReplicaCounts:
+    """What one replica did in a phase (summed over replicas at the end)."""
+
+    groups: int = 0
+    responses: int = 0
+    tokens: int = 0
+    reward_timeouts: int = 0
+    reward_errors: int = 0
+    shards: int = 0
+    score_wait_seconds: float = 0.0
+    messages: list[str] = field(default_factory=list)
+
+    def totals(self) -> list[int]:
+        return [self.groups, self.responses, self.tokens, self.reward_timeouts,
+                self.reward_errors, self.shards]
+
+
+class ShardWriter:
+    """On a replica's leader: decode finished groups, queue them for scoring, and write each
+    shard once its scores are in."""
+
+    def __init__(self, directory: Path, scorer: RewardScorer, tokenizer, prompts: list[Prompt],
+                 prompt_indices: tuple[int, ...], shard_prompts: int, counts: ReplicaCounts):
+        self.directory = directory
+        self.scorer = scorer
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.prompt_indices = prompt_indices
+        self.shard_prompts = shard_prompts
+        self.counts = counts
+        self._open: list[tuple[int, list[Generation]]] = []
+        self._scoring: deque[tuple[list[tuple[int, list[Generation]]], PendingScores]] = deque()
+
+    def add(self, position: int, gens: list[Generation]) -> None:
+        self._open.append((position, gens))
+        if len(self._open) >= self.shard_prompts:
+            self._submit()
+        self._write_scored(wait=len(self._scoring) > _MAX_PENDING_SHARDS)
+
+    def close(self) -> None:
+        """Score and write what is left (waits)."""
+        if self._open:
+            self._submit()
+        while self._scoring:
+            self._write_scored(wait=True)
+
+    def _submit(self) -> None:
+        groups, self._open = self._open, []
+        texts = self.tokenizer.batch_decode([list(g.token_ids) for _, gens in groups for g in gens],
+                                            skip_special_tokens=True)
+        answers = [self.prompts[self.prompt_indices[pos]].answer
+                   for pos, gens in groups for _ in gens]
+        self._scoring.append((groups, self.scorer.submit(texts, answers)))
+
+    def _write_scored(self, wait: bool) -> None:
+        while self._scoring and (wait or self._scoring[0][1].done()):
+            groups, pending = self._scoring.popleft()
+            t0 = time.perf_counter()
+            outcome = pending.result()
+            self.counts.score_wait_seconds += time.perf_counter() - t0
+            self.counts.reward_timeouts += outcome.num_timeouts
+            self.counts.reward_errors += outcome.num_errors
+            self.counts.messages += outcome.errors[:max(0, 5 - len(self.counts.messages))]
+            rewards = iter(outcome.rewards)
+            scored = []
+            for pos, gens in groups:
+                prompt = self.prompts[self.prompt_indices[pos]]
+                scored.append(ScoredGroup(pos, prompt.index, prompt.token_ids, gens,
+                                          [next(rewards) for _ in gens]))
+                self.counts.responses += len(gens)
+                self.counts.tokens += sum(len(g.token_ids) for g in gens)
+            write_shard(self.directory, scored)
+            self.counts.groups += len(groups)
+            self.counts.shards += 1
+            wait = False  # one shard per call when back-pressure asked for it
+
+
+def sum_counts(counts: ReplicaCounts) -> ReplicaCounts:
+    """Every replica's counts, summed on every rank (one small all-reduce). Only leaders count."""
+    t = torch.tensor(counts.totals(), dtype=torch.int64)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return ReplicaCounts(*t.tolist(), score_wait_seconds=counts.score_wait_seconds,
+                         messages=counts.messages)
+
+
+def sampling_for_phase(r, phase_index: int) -> SamplingSpec:
+    return SamplingSpec(n=r.group_size, max_new_tokens=r.max_new_tokens,
+                        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                        seed=phase_seed(r.seed, phase_index))

@@ -1,0 +1,298 @@
+"""Each phase's rollouts on disk as Arrow IPC shards, and the per-rank view the learner trains on.
+
+::
+
+    rollouts/phase_0003/
+        shard_000000512.arrow   whole groups, scored, written by one engine replica's leader as
+                                they finished (named by the phase position of its first group)
+        index.arrow             written once, when every group of the phase is on disk: each
+                                response in phase order (group, then sample), the shard and row
+                                it lives in, reward, advantage, length, and whether its group is
+                                uniform. Its presence means the phase is generated.
+
+Why Arrow IPC (uncompressed): token ids and log-probs are list columns (int32 offsets and flat
+values) that a reader memory-maps and slices as numpy arrays, with no copy and no Python object
+per token. Parquet would decode (copy) on every read. Every file is written to a temporary name,
+fsynced, and renamed: a reader sees a whole shard or none, so a kill loses only the groups not yet
+written, and a resume (with any number of replicas) regenerates exactly those.
+
+What grows with what, at 10^6 responses, 10^9 response tokens and ~300 prompt tokens:
+shards hold 4 GB of response ids, 4 GB of log-probs and 1.2 GB of prompt ids (each of the G
+responses repeats its prompt, so a shard reads alone) on the shared run directory; index.arrow is
+~30 B a response (30 MB). A rank maps these files. What it keeps resident is the index columns it
+uses (shard, row, the train-row list: ~20 MB at 10^6) and the pages of the rows it read for the
+current update; the page cache may keep more, which the kernel reclaims under pressure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import mmap
+import os
+import resource
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from mugrpo_megatron.engines.base import Generation
+from mugrpo_megatron.objective import group_advantages
+from mugrpo_megatron.rollout import padded_batch
+from mugrpo_megatron.types import TrainBatch
+
+SHARD_SCHEMA = pa.schema([
+    ("group", pa.int64()),             # position of the prompt in the phase
+    ("sample", pa.int32()),            # j of the group's G responses
+    ("prompt_index", pa.int64()),      # row of the prompt in the training set
+    ("prompt_ids", pa.list_(pa.int32())),
+    ("response_ids", pa.list_(pa.int32())),
+    ("behav_logprobs", pa.list_(pa.float32())),  # the engine's log-prob of each response token
+    ("finish_reason", pa.string()),    # 'stop' or 'length'
+    ("reward", pa.float64()),
+])
+INDEX_SCHEMA = pa.schema([
+    ("shard", pa.int32()), ("row", pa.int32()), ("reward", pa.float64()),
+    ("advantage", pa.float64()), ("response_len", pa.int32()), ("truncated", pa.bool_()),
+    ("uniform", pa.bool_()),
+])
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    """The G responses to one prompt of a phase, with their rewards: the unit a shard persists."""
+
+    position: int
+    """Position of the prompt in the phase (its seeds and its place in the index follow from it)."""
+    prompt_index: int
+    prompt_ids: Sequence[int]
+    generations: Sequence[Generation]
+    rewards: Sequence[float]
+
+
+def phase_dir(run_dir: Path, phase: int) -> Path:
+    return run_dir / "rollouts" / f"phase_{phase:04d}"
+
+
+def _atomic_write(table: pa.Table, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=max(table.num_rows, 1))  # one record batch
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _list_column(seqs: Sequence[Sequence], np_type, pa_type) -> pa.ListArray:
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int32, count=len(seqs))
+    offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np_type, count=int(offsets[-1]))
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa_type))
+
+
+def write_shard(directory: Path, groups: Sequence[ScoredGroup]) -> Path:
+    """Persist whole groups atomically as one shard; returns its path. Memory: one shard."""
+    if not groups:
+        raise ValueError("a shard needs at least one group")
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = [(g, j, gen, rw) for g in groups for j, (gen, rw) in enumerate(zip(g.generations,
+                                                                          g.rewards, strict=True))]
+    table = pa.table({
+        "group": pa.array([g.position for g, *_ in rows], pa.int64()),
+        "sample": pa.array([j for _, j, *_ in rows], pa.int32()),
+        "prompt_index": pa.array([g.prompt_index for g, *_ in rows], pa.int64()),
+        "prompt_ids": _list_column([g.prompt_ids for g, *_ in rows], np.int32, pa.int32()),
+        "response_ids": _list_column([x.token_ids for _, _, x, _ in rows], np.int32, pa.int32()),
+        "behav_logprobs": _list_column([x.logprobs for _, _, x, _ in rows], np.float32,
+                                       pa.float32()),
+        "finish_reason": pa.array([x.finish_reason for _, _, x, _ in rows], pa.string()),
+        "reward": pa.array([rw for *_, rw in rows], pa.float64()),
+    }, schema=SHARD_SCHEMA)
+    path = directory / f"shard_{min(g.position for g in groups):09d}.arrow"
+    if path.exists():
+        raise FileExistsError(f"{path} exists: group {min(g.position for g in groups)} was "
+                              f"persisted already (two writers on one phase?)")
+    _atomic_write(table, path)
+    return path
+
+
+def column(t: pa.Table, name: str) -> np.ndarray:
+    """A column of a one-record-batch file as numpy (a view of the mapping where the type
+    allows: bool columns are bit-packed in Arrow and get copied, one byte a row)."""
+    return t.column(name).chunk(0).to_numpy(zero_copy_only=False)
+
+
+def open_table(path: Path) -> pa.Table:
+    """The file's table, memory-mapped (zero-copy column access)."""
+    try:
+        return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(f"{path}: not a readable rollout shard ({e}); it was not written by "
+                         f"this version, or was damaged after it was written") from e
+
+
+def shard_paths(directory: Path) -> list[Path]:
+    return sorted(directory.glob("shard_*.arrow"))
+
+
+def persisted_groups(directory: Path, num_groups: int) -> np.ndarray:
+    """[num_groups] bool: which of the phase's groups are on disk (reads one column per shard)."""
+    done = np.zeros(num_groups, dtype=bool)
+    for path in shard_paths(directory):
+        groups = column(open_table(path), "group")
+        if groups.size and (groups.min() < 0 or groups.max() >= num_groups):
+            raise ValueError(f"{path}: holds group {int(groups.max())}, but the phase has "
+                             f"{num_groups}; this run directory belongs to another setting")
+        done[groups] = True
+    return done
+
+
+def is_generated(directory: Path) -> bool:
+    return (directory / "index.arrow").exists()
+
+
+def finalize(directory: Path, num_groups: int, group_size: int, eps: float) -> Path:
+    """Index the phase's shards in phase order with group-normalised advantages (computed once,
+    vectorised) and uniform-group flags; write ``index.arrow`` atomically. Checks that every
+    group is there exactly once, with its G responses. Reads four small columns of each shard:
+    O(responses) memory (~40 MB at 10^6), on one rank, once a phase."""
+    paths = shard_paths(directory)
+    n = num_groups * group_size
+    where = np.full(n, -1, dtype=np.int64)
+    shard = np.zeros(n, dtype=np.int32)
+    row = np.zeros(n, dtype=np.int32)
+    reward = np.zeros(n, dtype=np.float64)
+    length = np.zeros(n, dtype=np.int32)
+    truncated = np.zeros(n, dtype=bool)
+    for s, path in enumerate(paths):
+        t = open_table(path)
+        pos = column(t, "group") * group_size + column(t, "sample")
+        if (pos < 0).any() or (pos >= n).any() or (where[pos] >= 0).any() or \
+                len(np.unique(pos)) != len(pos):
+            raise ValueError(f"{path}: holds responses outside the phase's {num_groups} x "
+                             f"{group_size}, or ones another shard holds too")
+        where[pos] = s
+        shard[pos] = s
+        row[pos] = np.arange(len(pos), dtype=np.int32)
+        reward[pos] = column(t, "reward")
+        offsets = t.column("response_ids").chunk(0).offsets.to_numpy()
+        length[pos] = np.diff(offsets)
+        truncated[pos] = column(t, "finish_reason") == "length"
+    missing = np.flatnonzero(where < 0)
+    if missing.size:
+        raise ValueError(f"{directory}: {missing.size} of {n} responses are missing (first: group "
+                         f"{missing[0] // group_size}); the phase did not finish generating")
+    adv = group_advantages(torch.from_numpy(reward), group_size, eps).numpy()
+    groups = reward.reshape(-1, group_size)
+    uniform = np.repeat(groups.max(axis=1) == groups.min(axis=1), group_size)
+    table = pa.table({"shard": shard, "row": row, "reward": reward, "advantage": adv,
+                      "response_len": length, "truncated": truncated, "uniform": uniform},
+                     schema=INDEX_SCHEMA.with_metadata(
+                         {"shards": json.dumps([p.name for p in paths]),
+                          "group_size": str(group_size)}))
+    path = directory / "index.arrow"
+    _atomic_write(table, path)
+    return path
+
+
+class _Shard:
+    """One shard's columns as numpy views of the mapped file."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            self.mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            t = pa.ipc.open_file(pa.py_buffer(self.mapping)).read_all()
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ValueError(f"{path}: not a readable rollout shard ({e})") from e
+
+        def lists(name: str) -> tuple[np.ndarray, np.ndarray]:
+            arr = t.column(name).chunk(0)
+            return arr.offsets.to_numpy(), arr.values.to_numpy()
+
+        self.prompt_off, self.prompt = lists("prompt_ids")
+        self.resp_off, self.resp = lists("response_ids")
+        _, self.logp = lists("behav_logprobs")  # same offsets as response_ids
+
+    def drop_pages(self) -> None:
+        """Unmap the pages read so far from this process (MADV_DONTNEED): they stay in the page
+        cache, shared by the node's ranks, but stop counting as this rank's memory, so what a
+        rank holds does not grow as its updates read their way through the phase."""
+        self.mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def _allow_open_files(n: int) -> None:
+    """Each mapped shard holds a file descriptor: raise the soft limit toward the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = n + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        top = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+        if top < want:
+            raise ValueError(f"{n} rollout shards need {want} open files, the hard limit is {hard}:"
+                             f" raise rollout.shard_prompts (fewer, larger shards) or `ulimit -n`")
+
+
+class PhaseData:
+    """A generated phase as the learner sees it, on every rank, without holding it: the index's
+    columns as numpy and each shard memory-mapped. ``batch(rows)`` reads just those rows."""
+
+    def __init__(self, directory: Path, drop_uniform: bool):
+        index = open_table(directory / "index.arrow")
+        meta = index.schema.metadata or {}
+        names = json.loads(meta[b"shards"])
+        self.group_size = int(meta[b"group_size"])
+        self.directory = directory
+        _allow_open_files(len(names))
+        self.shards = [_Shard(directory / name) for name in names]
+        self.shard = column(index, "shard")
+        self.row = column(index, "row")
+        self.reward = column(index, "reward")
+        self.advantage = column(index, "advantage")
+        self.response_len = column(index, "response_len")
+        self.truncated = column(index, "truncated")
+        self.uniform = column(index, "uniform")
+        self._index = index
+        self.train_rows = np.flatnonzero(~self.uniform) if drop_uniform else \
+            np.arange(len(self.reward))
+        """Rows the updates draw from (the scheduler's sample indices index this)."""
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.reward)
+
+    @property
+    def num_uniform_groups(self) -> int:
+        return int(self.uniform.sum()) // self.group_size
+
+    def response(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Prompt ids, response ids and behaviour log-probs of phase row ``i`` (views)."""
+        sh, r = self.shards[self.shard[i]], self.row[i]
+        a, b = sh.resp_off[r], sh.resp_off[r + 1]
+        return sh.prompt[sh.prompt_off[r]:sh.prompt_off[r + 1]], sh.resp[a:b], sh.logp[a:b]
+
+    def batch(self, rows: Sequence[int] | np.ndarray, pad_id: int = 0,
+              multiple_of: int = 1) -> TrainBatch:
+        """Right-padded prompt+response rows for phase rows ``rows``: reads those rows from the
+        mapped shards and nothing else. Memory and time: the batch, whatever the phase's size."""
+        rows = np.asarray(rows, dtype=np.int64)
+        batch = padded_batch([self.response(int(i)) for i in rows], self.advantage[rows], pad_id,
+                             multiple_of)
+        for s in np.unique(self.shard[rows]):  # the batch is a copy: let the pages go
+            self.shards[s].drop_pages()
+        return batch
+
+    def stats(self) -> dict:
+        """The phase's summary numbers (vectorised over the index)."""
+        n = max(self.num_samples, 1)
+        return {"reward_mean": float(self.reward.mean()), "reward_std": float(self.reward.std()),
+                "num_samples": self.num_samples, "num_train_samples": len(self.train_rows),
+                "uniform_groups": self.num_uniform_groups,
+                "uniform_group_frac": float(self.uniform.sum()) / n,
+                "response_len": float(self.response_len.mean()),
+                "response_tokens": int(self.response_len.sum(dtype=np.int64)),
+                "truncated_frac": float(self.truncated.sum()) / n}
