@@ -127,12 +127,14 @@ class RolloutConfig(_Section):
     its own torch): scripts/setup_sglang_env.sh."""
     tensor_parallel: int = 1
     """Tensor-parallel size of each engine replica (independent of the learner's layout)."""
-    placement: Literal["auto", "spmd", "rank0"] = "auto"
+    placement: Literal["auto", "spmd", "node", "rank0"] = "auto"
     """Where the engine runs. 'spmd' (vLLM): every torchrun rank hosts one tensor-parallel rank of
     an engine, so world size / rollout.tensor_parallel replicas each generate a share of the
     prompts (vLLM's external launcher), and every replica takes the weights in-process from the
-    learner on its own ranks. 'rank0': one engine started by global rank 0 (the only choice for
-    SGLang; vLLM then needs rollout.tensor_parallel = 1). 'auto': spmd for vLLM, rank0 for SGLang."""
+    learner on its own ranks. 'node' (SGLang): one engine per node, started by the node's first
+    rank with rollout.tensor_parallel of its GPUs; each takes every weight from the learner ranks
+    of its own process. 'rank0': one engine started by global rank 0 (vLLM then needs
+    rollout.tensor_parallel = 1). 'auto': spmd for vLLM, node for SGLang."""
     group_size: int = 8
     """G: responses sampled per prompt; advantages are normalised within each group."""
     max_new_tokens: int = 512
@@ -184,7 +186,11 @@ class RolloutConfig(_Section):
             self._fail("gpu_memory_utilization", "must be in (0, 1]")
         if self.placement == "spmd" and self.engine != "vllm":
             self._fail("placement", f"spmd needs vLLM's external launcher; {self.engine} runs as "
-                                    f"one engine on rank 0 (placement: rank0 or auto)")
+                                    f"one engine per node or on rank 0 (placement: node, rank0 "
+                                    f"or auto)")
+        if self.placement == "node" and self.engine != "sglang":
+            self._fail("placement", "node is for SGLang (its engine runs its own processes); "
+                                    "vLLM's replicas per node are placement spmd")
         if self.spmd is False and self.engine == "vllm" and self.tensor_parallel > 1:
             self._fail("placement", f"rank0 with vLLM needs rollout.tensor_parallel = 1 (got "
                                     f"{self.tensor_parallel}): vLLM would run its other "
@@ -195,6 +201,11 @@ class RolloutConfig(_Section):
     def spmd(self) -> bool:
         """Whether every rank hosts an engine rank (``placement``, with 'auto' resolved)."""
         return self.engine == "vllm" and self.placement in ("auto", "spmd")
+
+    @property
+    def per_node(self) -> bool:
+        """Whether each node's first rank starts an engine (``placement`` node, or auto with SGLang)."""
+        return self.engine == "sglang" and self.placement in ("auto", "node")
 
     def spmd_replicas(self, world_size: int, gpus_per_node: int | None = None) -> int:
         """Engine replicas spread over a job of ``world_size`` ranks; 0 when the job's one engine
@@ -217,11 +228,15 @@ class RolloutConfig(_Section):
                                 if world_size < self.tensor_parallel else "") + ")")
         return 0 if world_size == 1 else world_size // self.tensor_parallel
 
-    def describe_placement(self, world_size: int) -> str:
+    def describe_placement(self, world_size: int, ranks_per_node: int | None = None) -> str:
         n = self.spmd_replicas(world_size)
         if n:
             return (f"{n} {self.engine} replica(s) at TP {self.tensor_parallel}, one engine TP rank "
                     f"on every rank")
+        if self.per_node:
+            nodes = world_size // (ranks_per_node or world_size)
+            return (f"{nodes} {self.engine} engine(s) at TP {self.tensor_parallel}, one per node "
+                    f"(on each node's first rank)")
         return f"one {self.engine} engine at TP {self.tensor_parallel}, on global rank 0"
 
 

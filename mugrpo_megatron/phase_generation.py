@@ -19,15 +19,16 @@ Who does what (collective at the two ends only):
 4. At the end, the replicas agree on errors and sum their counts (a few integers), and rank 0
    indexes the phase: advantages and uniform groups, vectorised, once (``phase_store.finalize``).
 
-Memory on a leader: the groups in flight plus at most ``_MAX_PENDING_SHARDS + 1`` shards of
-generations as Python objects (what vLLM hands back); nothing grows with the phase.
+Memory on a leader: the groups in the engine (as vLLM's Python objects), plus at most
+``_MAX_PENDING_SHARDS + 1`` shards of groups as numpy arrays and decoded text (~12 bytes a token:
+~25 MB a shard of 256 prompts x 8 responses x 1000 tokens); nothing grows with the phase.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -87,8 +88,8 @@ class ReplicaCounts:
 
 
 class ShardWriter:
-    """On a replica's leader: decode finished groups, queue them for scoring, and write each
-    shard once its scores are in."""
+    """On a replica's leader: decode finished groups, keep them compact, queue them for scoring,
+    and write each shard once its scores are in."""
 
     def __init__(self, directory: Path, scorer: RewardScorer, tokenizer, prompts: list[Prompt],
                  prompt_indices: tuple[int, ...], shard_prompts: int, counts: ReplicaCounts):
@@ -99,11 +100,19 @@ class ShardWriter:
         self.prompt_indices = prompt_indices
         self.shard_prompts = shard_prompts
         self.counts = counts
-        self._open: list[tuple[int, list[Generation]]] = []
-        self._scoring: deque[tuple[list[tuple[int, list[Generation]]], PendingScores]] = deque()
+        self._open: list[tuple[ScoredGroup, list[str]]] = []
+        self._scoring: deque[tuple[list[ScoredGroup], PendingScores]] = deque()
 
     def add(self, position: int, gens: list[Generation]) -> None:
-        self._open.append((position, gens))
+        """Take one finished group: its texts for the reward, its tokens as numpy arrays (the
+        engine's tuples of Python numbers, ~70 bytes a token, go at once)."""
+        prompt = self.prompts[self.prompt_indices[position]]
+        texts = self.tokenizer.batch_decode([list(g.token_ids) for g in gens],
+                                            skip_special_tokens=True)
+        self._open.append((ScoredGroup.of(position, prompt.index, prompt.token_ids, gens, []),
+                           texts))
+        self.counts.responses += len(gens)
+        self.counts.tokens += sum(len(g.token_ids) for g in gens)
         if len(self._open) >= self.shard_prompts:
             self._submit()
         self._write_scored(wait=len(self._scoring) > _MAX_PENDING_SHARDS)
@@ -117,11 +126,10 @@ class ShardWriter:
 
     def _submit(self) -> None:
         groups, self._open = self._open, []
-        texts = self.tokenizer.batch_decode([list(g.token_ids) for _, gens in groups for g in gens],
-                                            skip_special_tokens=True)
-        answers = [self.prompts[self.prompt_indices[pos]].answer
-                   for pos, gens in groups for _ in gens]
-        self._scoring.append((groups, self.scorer.submit(texts, answers)))
+        texts = [t for _, ts in groups for t in ts]
+        answers = [self.prompts[self.prompt_indices[g.position]].answer
+                   for g, ts in groups for _ in ts]
+        self._scoring.append(([g for g, _ in groups], self.scorer.submit(texts, answers)))
 
     def _write_scored(self, wait: bool) -> None:
         while self._scoring and (wait or self._scoring[0][1].done()):
@@ -133,14 +141,8 @@ class ShardWriter:
             self.counts.reward_errors += outcome.num_errors
             self.counts.messages += outcome.errors[:max(0, 5 - len(self.counts.messages))]
             rewards = iter(outcome.rewards)
-            scored = []
-            for pos, gens in groups:
-                prompt = self.prompts[self.prompt_indices[pos]]
-                scored.append(ScoredGroup(pos, prompt.index, prompt.token_ids, gens,
-                                          [next(rewards) for _ in gens]))
-                self.counts.responses += len(gens)
-                self.counts.tokens += sum(len(g.token_ids) for g in gens)
-            write_shard(self.directory, scored)
+            write_shard(self.directory, [replace(g, rewards=[next(rewards) for _ in g.responses])
+                                         for g in groups])
             self.counts.groups += len(groups)
             self.counts.shards += 1
             wait = False  # one shard per call when back-pressure asked for it

@@ -11,24 +11,24 @@
                                 uniform. Its presence means the phase is generated.
 
 Why Arrow IPC (uncompressed): token ids and log-probs are list columns (int32 offsets and flat
-values) that a reader memory-maps and slices as numpy arrays, with no copy and no Python object
-per token. Parquet would decode (copy) on every read. Every file is written to a temporary name,
+values) at fixed places in the file, so a reader fetches one row's tokens with one ``pread`` and
+gets a numpy array, with no decoding and no Python object per token; Parquet would decode whole
+pages to read a row. Every file is written to a temporary name,
 fsynced, and renamed: a reader sees a whole shard or none, so a kill loses only the groups not yet
 written, and a resume (with any number of replicas) regenerates exactly those.
 
 What grows with what, at 10^6 responses, 10^9 response tokens and ~300 prompt tokens:
 shards hold 4 GB of response ids, 4 GB of log-probs and 1.2 GB of prompt ids (each of the G
 responses repeats its prompt, so a shard reads alone) on the shared run directory; index.arrow is
-~30 B a response (30 MB). A rank maps these files. What it keeps resident is the index columns it
-uses (shard, row, the train-row list: ~20 MB at 10^6) and the pages of the rows it read for the
-current update; the page cache may keep more, which the kernel reclaims under pressure.
+~30 B a response (30 MB). Each rank holds, per response: the shards' list offsets (8 B), the
+index columns (29 B, a read-only map of index.arrow) and the train-row list (8 B): ~45 MB at 10^6
+responses, against the ~10 GB of the phase; plus one update's batch, and a file descriptor per
+shard. The page cache may hold more of the shards; it is the kernel's, shared by the node's ranks.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import mmap
 import os
 import resource
 from collections.abc import Sequence
@@ -63,14 +63,27 @@ INDEX_SCHEMA = pa.schema([
 
 @dataclass(frozen=True)
 class ScoredGroup:
-    """The G responses to one prompt of a phase, with their rewards: the unit a shard persists."""
+    """The G responses to one prompt of a phase, with their rewards: the unit a shard persists.
+    Token ids and log-probs are numpy arrays (8 bytes a token), not the engine's tuples (~70)."""
 
     position: int
     """Position of the prompt in the phase (its seeds and its place in the index follow from it)."""
     prompt_index: int
     prompt_ids: Sequence[int]
-    generations: Sequence[Generation]
+    responses: Sequence[np.ndarray]
+    """int32 token ids of each response."""
+    logprobs: Sequence[np.ndarray]
+    """float32 behaviour log-prob of each response token."""
+    finish_reasons: Sequence[str]
     rewards: Sequence[float]
+
+    @classmethod
+    def of(cls, position: int, prompt_index: int, prompt_ids: Sequence[int],
+           generations: Sequence[Generation], rewards: Sequence[float]) -> ScoredGroup:
+        return cls(position, prompt_index, prompt_ids,
+                   [np.asarray(g.token_ids, dtype=np.int32) for g in generations],
+                   [np.asarray(g.logprobs, dtype=np.float32) for g in generations],
+                   [g.finish_reason for g in generations], list(rewards))
 
 
 def phase_dir(run_dir: Path, phase: int) -> Path:
@@ -86,11 +99,12 @@ def _atomic_write(table: pa.Table, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _list_column(seqs: Sequence[Sequence], np_type, pa_type) -> pa.ListArray:
-    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int32, count=len(seqs))
+def _list_column(seqs: Sequence, np_type, pa_type) -> pa.ListArray:
+    lengths = np.fromiter((len(x) for x in seqs), dtype=np.int32, count=len(seqs))
     offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    values = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np_type, count=int(offsets[-1]))
+    values = np.concatenate([np.asarray(x, dtype=np_type) for x in seqs]) if len(seqs) else \
+        np.zeros(0, dtype=np_type)
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa_type))
 
 
@@ -98,24 +112,30 @@ def write_shard(directory: Path, groups: Sequence[ScoredGroup]) -> Path:
     """Persist whole groups atomically as one shard; returns its path. Memory: one shard."""
     if not groups:
         raise ValueError("a shard needs at least one group")
+    for g in groups:
+        if not len(g.responses) == len(g.logprobs) == len(g.finish_reasons) == len(g.rewards):
+            raise ValueError(f"group {g.position}: responses, log-probs, finish reasons and "
+                             f"rewards differ in number")
     directory.mkdir(parents=True, exist_ok=True)
-    rows = [(g, j, gen, rw) for g in groups for j, (gen, rw) in enumerate(zip(g.generations,
-                                                                          g.rewards, strict=True))]
+    sizes = [len(g.responses) for g in groups]
     table = pa.table({
-        "group": pa.array([g.position for g, *_ in rows], pa.int64()),
-        "sample": pa.array([j for _, j, *_ in rows], pa.int32()),
-        "prompt_index": pa.array([g.prompt_index for g, *_ in rows], pa.int64()),
-        "prompt_ids": _list_column([g.prompt_ids for g, *_ in rows], np.int32, pa.int32()),
-        "response_ids": _list_column([x.token_ids for _, _, x, _ in rows], np.int32, pa.int32()),
-        "behav_logprobs": _list_column([x.logprobs for _, _, x, _ in rows], np.float32,
+        "group": pa.array(np.repeat([g.position for g in groups], sizes), pa.int64()),
+        "sample": pa.array(np.concatenate([np.arange(n) for n in sizes]), pa.int32()),
+        "prompt_index": pa.array(np.repeat([g.prompt_index for g in groups], sizes), pa.int64()),
+        "prompt_ids": _list_column([g.prompt_ids for g in groups for _ in g.responses], np.int32,
+                                   pa.int32()),
+        "response_ids": _list_column([x for g in groups for x in g.responses], np.int32,
+                                     pa.int32()),
+        "behav_logprobs": _list_column([x for g in groups for x in g.logprobs], np.float32,
                                        pa.float32()),
-        "finish_reason": pa.array([x.finish_reason for _, _, x, _ in rows], pa.string()),
-        "reward": pa.array([rw for *_, rw in rows], pa.float64()),
+        "finish_reason": pa.array([x for g in groups for x in g.finish_reasons], pa.string()),
+        "reward": pa.array([x for g in groups for x in g.rewards], pa.float64()),
     }, schema=SHARD_SCHEMA)
-    path = directory / f"shard_{min(g.position for g in groups):09d}.arrow"
+    first = min(g.position for g in groups)
+    path = directory / f"shard_{first:09d}.arrow"
     if path.exists():
-        raise FileExistsError(f"{path} exists: group {min(g.position for g in groups)} was "
-                              f"persisted already (two writers on one phase?)")
+        raise FileExistsError(f"{path} exists: group {first} was persisted already (two writers "
+                              f"on one phase?)")
     _atomic_write(table, path)
     return path
 
@@ -199,34 +219,53 @@ def finalize(directory: Path, num_groups: int, group_size: int, eps: float) -> P
     return path
 
 
+def _locate(t: pa.Table, name: str, base: int) -> tuple[np.ndarray, int]:
+    """A list column's offsets (copied) and the file position of its first value (4-byte values,
+    as SHARD_SCHEMA has them)."""
+    arr = t.column(name).chunk(0)
+    values = arr.values
+    at = values.buffers()[1].address - base + values.offset * 4
+    return arr.offsets.to_numpy().copy(), at
+
+
 class _Shard:
-    """One shard's columns as numpy views of the mapped file."""
+    """One shard, read row by row with ``pread``: its list offsets in memory (8 bytes a row), its
+    token and log-prob values on disk. Reads go through the page cache (shared by a node's ranks)
+    without mapping the file into the rank, so a rank's memory does not grow as its updates read
+    their way through the phase. (A memory map would: each page fault maps the pages around it,
+    ~200 MB of a shard per 1024-row update, released only when unmapped.)"""
 
     def __init__(self, path: Path):
-        with open(path, "rb") as f:
-            self.mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        src = pa.memory_map(str(path))
         try:
-            t = pa.ipc.open_file(pa.py_buffer(self.mapping)).read_all()
-        except (pa.ArrowInvalid, OSError) as e:
+            base = src.read_buffer(1).address  # the mapping's first byte (a zero-copy read)
+            t = pa.ipc.open_file(src).read_all()
+
+            self.prompt_off, self.prompt_at = _locate(t, "prompt_ids", base)
+            self.resp_off, self.resp_at = _locate(t, "response_ids", base)
+            _, self.logp_at = _locate(t, "behav_logprobs", base)  # response_ids' offsets
+            del t
+        except (pa.ArrowInvalid, OSError, KeyError) as e:
             raise ValueError(f"{path}: not a readable rollout shard ({e})") from e
+        finally:
+            src.close()
+        self.fd = os.open(path, os.O_RDONLY)
 
-        def lists(name: str) -> tuple[np.ndarray, np.ndarray]:
-            arr = t.column(name).chunk(0)
-            return arr.offsets.to_numpy(), arr.values.to_numpy()
+    def _read(self, at: int, offsets: np.ndarray, row: int, dtype) -> np.ndarray:
+        a, b = int(offsets[row]), int(offsets[row + 1])
+        return np.frombuffer(os.pread(self.fd, (b - a) * 4, at + a * 4), dtype=dtype)
 
-        self.prompt_off, self.prompt = lists("prompt_ids")
-        self.resp_off, self.resp = lists("response_ids")
-        _, self.logp = lists("behav_logprobs")  # same offsets as response_ids
+    def row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (self._read(self.prompt_at, self.prompt_off, r, np.int32),
+                self._read(self.resp_at, self.resp_off, r, np.int32),
+                self._read(self.logp_at, self.resp_off, r, np.float32))
 
-    def drop_pages(self) -> None:
-        """Unmap the pages read so far from this process (MADV_DONTNEED): they stay in the page
-        cache, shared by the node's ranks, but stop counting as this rank's memory, so what a
-        rank holds does not grow as its updates read their way through the phase."""
-        self.mapping.madvise(mmap.MADV_DONTNEED)
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def _allow_open_files(n: int) -> None:
-    """Each mapped shard holds a file descriptor: raise the soft limit toward the hard one."""
+    """Each open shard holds a file descriptor: raise the soft limit toward the hard one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = n + 256
     if soft != resource.RLIM_INFINITY and soft < want:
@@ -239,7 +278,7 @@ def _allow_open_files(n: int) -> None:
 
 class PhaseData:
     """A generated phase as the learner sees it, on every rank, without holding it: the index's
-    columns as numpy and each shard memory-mapped. ``batch(rows)`` reads just those rows."""
+    columns as numpy and each shard open for reading. ``batch(rows)`` reads just those rows."""
 
     def __init__(self, directory: Path, drop_uniform: bool):
         index = open_table(directory / "index.arrow")
@@ -270,21 +309,21 @@ class PhaseData:
         return int(self.uniform.sum()) // self.group_size
 
     def response(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Prompt ids, response ids and behaviour log-probs of phase row ``i`` (views)."""
-        sh, r = self.shards[self.shard[i]], self.row[i]
-        a, b = sh.resp_off[r], sh.resp_off[r + 1]
-        return sh.prompt[sh.prompt_off[r]:sh.prompt_off[r + 1]], sh.resp[a:b], sh.logp[a:b]
+        """Prompt ids, response ids and behaviour log-probs of phase row ``i`` (read from disk)."""
+        return self.shards[self.shard[i]].row(int(self.row[i]))
+
+    def close(self) -> None:
+        for sh in self.shards:
+            sh.close()
+        self.shards = []
 
     def batch(self, rows: Sequence[int] | np.ndarray, pad_id: int = 0,
               multiple_of: int = 1) -> TrainBatch:
         """Right-padded prompt+response rows for phase rows ``rows``: reads those rows from the
-        mapped shards and nothing else. Memory and time: the batch, whatever the phase's size."""
+        shards and nothing else. Memory and time: the batch, whatever the phase's size."""
         rows = np.asarray(rows, dtype=np.int64)
-        batch = padded_batch([self.response(int(i)) for i in rows], self.advantage[rows], pad_id,
-                             multiple_of)
-        for s in np.unique(self.shard[rows]):  # the batch is a copy: let the pages go
-            self.shards[s].drop_pages()
-        return batch
+        return padded_batch([self.response(int(i)) for i in rows], self.advantage[rows], pad_id,
+                            multiple_of)
 
     def stats(self) -> dict:
         """The phase's summary numbers (vectorised over the index)."""

@@ -125,6 +125,7 @@ class Trainer:
             times = PhaseTimes()
             data = self.rollout(phase, times)
             self.optimize(phase, data, times)
+            data.close()
         self.sync_weights()
         self.evaluate("after")
         if self.cfg.checkpoint.export_hf:
@@ -293,12 +294,14 @@ class Trainer:
 
     def mismatch_check(self, data: PhaseData):
         """Score a few of the engine's own samples, read back from the shards, with the learner:
-        the train/inference gap."""
+        the train/inference gap. The rows are spread over the phase, so every replica's share
+        (and so every replica's copy of the weights) is checked."""
         n = min(self.cfg.rollout.mismatch_check_samples, data.num_samples)
-        n -= n % self.learner.layout.dp_size
-        if n == 0:
+        rows = np.unique(np.linspace(0, data.num_samples - 1, n).round().astype(np.int64))
+        rows = rows[:len(rows) - len(rows) % self.learner.layout.dp_size]
+        if len(rows) == 0:
             return None
-        batch = data.batch(np.arange(n), self.tokenizer.pad_token_id or 0)
+        batch = data.batch(rows, self.tokenizer.pad_token_id or 0)
         logp, _ = self.learner.logprobs(batch)
         return logprob_gap(logp, batch)
 

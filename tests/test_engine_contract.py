@@ -116,30 +116,51 @@ def test_tempered_sampling_matches_learner(tmp_path, engine):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed here")
-def test_trainer_end_to_end_with_sglang(tmp_path):
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_trainer_end_to_end_with_sglang(tmp_path, nodes):
     """Two phases of the real trainer (TP2 learner) with SGLang as the engine; the vLLM
-    counterpart is tests/test_trainer.py."""
+    counterpart is tests/test_trainer.py. With two (local) nodes of one rank each, each node
+    starts its own engine (placement node), streams half of each phase and takes every weight at
+    each sync: the log-prob gap, checked on rows of both halves, stays at float precision."""
     import os
+    import socket
     import subprocess
+    import sys
 
     hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=5)
     sets = {"model.path": hf, "model.dtype": "float32", "parallel.tensor": 2,
             "parallel.micro_batch_size": 4, "rollout.engine": "sglang", "rollout.group_size": 4,
-            "rollout.max_new_tokens": 12, "rollout.shard_prompts": 4,
-            "rollout.mismatch_check_samples": 4, "algo.total_updates": 6,
+            "rollout.max_new_tokens": 12, "rollout.shard_prompts": 2,
+            "rollout.mismatch_check_samples": 8, "algo.total_updates": 6,
             "algo.updates_per_phase": 3, "algo.prompts_per_phase": 8, "algo.samples_per_update": 16,
             "optim.lr": 1e-3, "data.num_arithmetic_problems": 64, "data.max_prompt_tokens": 64,
             "data.eval_path": "builtin:arithmetic", "data.eval_size": 4,
             "reward.name": "tests.reward_helpers:slow_digits_reward",
             "logging.run_dir": tmp_path / "run", "logging.progress": "false"}
-    proc = subprocess.run(cli_under_torchrun(2, "train", *set_args(sets)), cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if nodes == 1:
+        proc = subprocess.run(cli_under_torchrun(2, "train", *set_args(sets)), cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    else:  # two launchers, as on two machines: LOCAL_WORLD_SIZE 1, world 2
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={i}",
+             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+             "-m", "mugrpo_megatron", "train", *set_args(sets)], cwd=ROOT, env=env,
+            stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
+        codes = [p.wait(timeout=900) for p in procs]
+        for f in logs:
+            f.close()
+        assert codes == [0, 0], (tmp_path / "node0.log").read_text()[-6000:]
     recs = records(tmp_path / "run")
     phases = [r for r in recs if r["kind"] == "phase"]
     assert [p["phase"] for p in phases] == [0, 1]
     for p in phases:
         assert p["logprob_gap_max"] < 1e-4, p
+        assert p["engine_replicas"] == nodes and p["generated_groups"] == 8, p
     assert sum(r["kind"] == "update" for r in recs) == 6
     assert (tmp_path / "run" / "report.md").exists()

@@ -23,7 +23,7 @@ def groups(n_groups=40, g=4, seed=0):
             n = rng.randint(0, 30)
             gens.append(Generation(tuple(rng.randint(10, 300) for _ in range(n)), (-1.0,) * n,
                                    rng.choice(["stop", "length"])))
-        out.append(ScoredGroup(grp, 100 + grp, (5, 6, 7), gens,
+        out.append(ScoredGroup.of(grp, 100 + grp, (5, 6, 7), gens,
                                [1.0 if uniform else float(rng.random() < 0.5) for _ in range(g)]))
     return out
 
@@ -36,12 +36,13 @@ def test_summary_equals_a_naive_count(tmp_path):
     files, complete = phase_files(tmp_path, 0)
     assert len(files) == 5 and not complete
     s = summarize(files, complete)
-    rows = [(g.position, x, r) for g in gs for x, r in zip(g.generations, g.rewards)]
+    rows = [(g.position, len(x), f, r) for g in gs
+            for x, f, r in zip(g.responses, g.finish_reasons, g.rewards)]
     assert s.num_samples == len(rows)
     assert s.reward_sum == pytest.approx(sum(r for *_, r in rows))
-    assert s.length_sum == sum(len(x.token_ids) for _, x, _ in rows)
-    assert s.length_max == max(len(x.token_ids) for _, x, _ in rows)
-    assert s.finish == {k: sum(x.finish_reason == k for _, x, _ in rows) for k in ("stop", "length")}
+    assert s.length_sum == sum(n for _, n, _, _ in rows)
+    assert s.length_max == max(n for _, n, _, _ in rows)
+    assert s.finish == {k: sum(f == k for _, _, f, _ in rows) for k in ("stop", "length")}
     naive_uniform = sum(len(set(g.rewards)) == 1 for g in gs)
     assert f"uniform groups {naive_uniform} " in s.text(0)
     finalize(d, 40, 4, 1e-6)
@@ -57,7 +58,7 @@ def test_show_decodes_the_samples_it_picks(tmp_path):
     tok = make_tokenizer(tmp_path / "tok")
     ids = tuple(tok("The answer is \\boxed{19}.")["input_ids"])
     prompt = tuple(tok("What is 12 + 7?")["input_ids"])
-    gs = [ScoredGroup(k, 2 * k, prompt, [Generation(ids, (-0.5,) * len(ids), "stop")] * 2,
+    gs = [ScoredGroup.of(k, 2 * k, prompt, [Generation(ids, (-0.5,) * len(ids), "stop")] * 2,
                       [1.0, 0.0]) for k in range(4)]
     d = phase_dir(tmp_path, 0)
     write_shard(d, gs[2:])

@@ -39,8 +39,14 @@ def make_groups(n_groups=30, seed=0):
                                    tuple(-rng.random() for _ in range(n)),
                                    rng.choice(["stop", "length"])))
             rewards.append(1.0 if uniform else float(rng.random() < 0.5))
-        out.append(ScoredGroup(pos, 1000 + pos, tuple(range(1, 2 + pos % 4)), gens, rewards))
+        out.append(ScoredGroup.of(pos, 1000 + pos, tuple(range(1, 2 + pos % 4)), gens, rewards))
     return out
+
+
+def generations(g: ScoredGroup) -> list[Generation]:
+    """A persisted group's responses back as the engine's tuples."""
+    return [Generation(tuple(r.tolist()), tuple(lp.tolist()), f)
+            for r, lp, f in zip(g.responses, g.logprobs, g.finish_reasons)]
 
 
 def naive_advantages(rewards, eps=1e-6):
@@ -68,7 +74,7 @@ def test_index_and_rows_equal_a_naive_reference(tmp_path):
     data = PhaseData(tmp_path, drop_uniform=True)
     samples = [Sample(0, g.prompt_index, g.position, tuple(g.prompt_ids), x.token_ids, x.logprobs,
                       x.finish_reason, reward=r) for g in groups
-               for x, r in zip(g.generations, g.rewards)]
+               for x, r in zip(generations(g), g.rewards)]
     rewards = [s.reward for s in samples]
     assert data.reward.tolist() == rewards
     assert data.advantage.tolist() == pytest.approx(naive_advantages(rewards), abs=1e-12)

@@ -31,7 +31,8 @@ def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_mo
                           trust_remote_code=trust_remote_code, spmd=spmd)
     if cfg.engine == "sglang":
         if spmd:
-            raise ValueError("rollout.placement: spmd is for vLLM; SGLang runs as one engine")
+            raise ValueError("rollout.placement: spmd is for vLLM; SGLang runs as one engine "
+                             "per node (placement node) or on rank 0")
         from mugrpo_megatron.engines.sglang_engine import SGLangEngine
 
         return SGLangEngine(cfg, model_dir, dtype=dtype, max_model_len=max_model_len,

@@ -1,6 +1,6 @@
 """The engine replicas of a torchrun job, driven collectively from every rank.
 
-Two placements (``rollout.placement``):
+Three placements (``rollout.placement``):
 
 - **spmd** (vLLM): every rank hosts one tensor-parallel rank of an engine; ranks
   ``[r * tp, (r + 1) * tp)`` form replica ``r``. A phase's generation does not come through
@@ -10,6 +10,10 @@ Two placements (``rollout.placement``):
   launcher runs one scheduler per rank and relies on them seeing the same requests), and the
   replicas' answers are gathered on rank 0. Weights reach every replica from the learner ranks
   it shares a process with: the export stream already hands every rank every tensor.
+- **node** (SGLang): one engine per node, started by the node's first rank (``LOCAL_RANK`` 0)
+  with ``rollout.tensor_parallel`` of the node's GPUs in processes of its own; node ``n`` is
+  replica ``n``, fed by the same streaming path, and takes every weight from the export stream
+  of its own learner rank. One node: the same as rank0.
 - **rank0**: one engine on global rank 0; the other ranks take part in the collectives only.
 
 Every method here is collective: all ranks call it, in the same order. Failures are agreed on, so
@@ -51,6 +55,14 @@ def _agree(error: str) -> str:
     return e if len(failed) == 1 else f"rank {r}: {e} (and {len(failed) - 1} more ranks failed)"
 
 
+def _ranks_per_node(world: int) -> int:
+    """torchrun's processes per node (the whole world when not launched by torchrun)."""
+    local = launcher_ranks_per_node() or world
+    if world % local:
+        raise ValueError(f"{world} ranks do not split into nodes of {local}")
+    return local
+
+
 def shares(num_prompts: int, num_replicas: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) shares of ``num_prompts`` for each replica, as even as possible."""
     return [(r * num_prompts // num_replicas, (r + 1) * num_prompts // num_replicas)
@@ -66,11 +78,18 @@ class EngineFleet:
         self.tensor_parallel = cfg.tensor_parallel
         spread = cfg.spmd_replicas(world)
         self.spmd = spread > 0
-        self.num_replicas = spread or 1
-        self.replica = rank // cfg.tensor_parallel if self.spmd else 0
-        self.is_leader = rank % cfg.tensor_parallel == 0 if self.spmd else rank == 0
-        """Whether this rank hands its replica's answers to rank 0."""
-        self._description = cfg.describe_placement(world)
+        if self.spmd:
+            self.num_replicas = spread
+            self.replica = rank // cfg.tensor_parallel
+            self.is_leader = rank % cfg.tensor_parallel == 0
+        elif cfg.per_node:
+            local = _ranks_per_node(world)
+            self.num_replicas, self.replica = world // local, rank // local
+            self.is_leader = rank % local == 0
+        else:
+            self.num_replicas, self.replica, self.is_leader = 1, 0, rank == 0
+        """``is_leader``: whether this rank scores and persists its replica's answers."""
+        self._description = cfg.describe_placement(world, _ranks_per_node(world))
 
     @classmethod
     def start(cls, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
@@ -78,10 +97,15 @@ class EngineFleet:
         """Start the engines of ``cfg.placement`` (collective)."""
         rank, world = _world()
         spmd = cfg.spmd_replicas(world, launcher_ranks_per_node()) > 0
+        per_node = not spmd and cfg.per_node
+        local = _ranks_per_node(world)
         engine, error = None, ""
-        if spmd or rank == 0:
+        if spmd or rank == 0 or (per_node and rank % local == 0):
             try:
-                engine = make_engine(cfg, model_dir, dtype=dtype, max_model_len=max_model_len,
+                # engines seeded once (not per request, as SGLang) draw apart on each node
+                engine_cfg = replace(cfg, seed=cfg.seed + rank // local) if per_node else cfg
+                engine = make_engine(engine_cfg, model_dir, dtype=dtype,
+                                     max_model_len=max_model_len,
                                      trust_remote_code=trust_remote_code, spmd=spmd)
             except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
                 error = f"{type(e).__name__}: {e}"
@@ -117,7 +141,7 @@ class EngineFleet:
         if error:
             raise RuntimeError(error)
         rank, world = _world()
-        if not self.spmd or world == 1:
+        if self.num_replicas == 1:
             return result if rank == 0 else None
         parts: list | None = [None] * world if rank == 0 else None
         dist.gather_object(result if self.is_leader else None, parts, dst=0)

@@ -1,18 +1,19 @@
 """SGLang backend: ``sglang.Engine`` with behaviour log-probs and in-place weight updates.
 
-The engine runs its scheduler in its own processes (SGLang always does); it is created on global
-rank 0 alone (``rollout.placement`` rank0). Weights arrive as (HF name, tensor) and are handed to
-``update_weights_from_tensor`` in buckets inside ``begin_weight_update()`` /
-``end_weight_update()`` (which lets SGLang finalise quantized or repacked weights once), then the
-radix (prefix) cache is flushed. On a GPU the tensors travel as CUDA IPC handles; on CPU they are
-serialised through shared memory.
+The engine runs its scheduler in its own processes (SGLang always does); one is created on each
+node's first rank (``rollout.placement`` node, the default) or on global rank 0 alone (rank0).
+Weights arrive as (HF name, tensor) and are handed to ``update_weights_from_tensor`` in buckets
+inside ``begin_weight_update()`` / ``end_weight_update()`` (which lets SGLang finalise quantized or
+repacked weights once), then the radix (prefix) cache is flushed. On a GPU the tensors travel as
+CUDA IPC handles; on CPU they are serialised through shared memory.
 
 CPU: SGLang runs on plain torch with ``SGLANG_USE_CPU_ENGINE=1`` and ``device="cpu"`` (set here
 when there is no GPU); ``scripts/setup_sglang_env.sh`` builds an environment for it. It reports
 log-probs of the tempered distribution it samples from (softmax(logits / T)), as the learner
 computes them, unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set, which this backend refuses.
 Per-request seeds are honoured by SGLang only in its deterministic mode, so sampling here is
-seeded once per engine (``rollout.seed``), not per request.
+seeded once per engine (``rollout.seed`` plus the node's index), not per request: a resumed phase
+or another number of nodes draws other samples for the groups it generates, unlike vLLM.
 
 GPU: ``enable_memory_saver`` lets ``sleep()`` release weights and KV cache
 (``release_memory_occupation``) while the learner trains, and ``wake()`` take them back.
