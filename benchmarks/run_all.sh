@@ -19,3 +19,7 @@ env -u OMP_NUM_THREADS "$PY" benchmarks/paper_miniature.py --work-dir runs/minia
 env -u OMP_NUM_THREADS "$PY" benchmarks/paper_miniature.py --work-dir runs/miniature \
   --rows grpo_mu4,relaxed_noveto,veto_trigger,mugrpo,veto_suffix_no_trigger,veto_sequence \
   --seeds 2 --lr 3e-4 --tag _lr3e-4 --results-md benchmarks/RESULTS.md
+# the phase data path at 10^4, 10^5 and 10^6 responses, and the replaced path at 10^5 (~10 min)
+"$PY" benchmarks/phase_scale.py
+# barrier chunks vs streaming vs bare vLLM on 2 replicas, heavy-tailed response lengths
+"$PY" benchmarks/long_tail.py

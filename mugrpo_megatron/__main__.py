@@ -54,7 +54,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     a, r = cfg.algo, cfg.rollout
     print(f"world size {args.world_size}: TP {cfg.parallel.tensor} x PP {cfg.parallel.pipeline} "
-          f"x DP {dp}; {r.describe_placement(args.world_size)}")
+          f"x DP {dp}; {r.describe_placement(args.world_size, args.gpus_per_node)}")
     print(f"schedule: {describe_schedule(cfg)}")
     print(f"clip ratio to [{1 - a.clip_low:g}, {1 + a.clip_high:g}]; veto "
           + ("off" if a.veto_threshold is None else f"below {a.veto_threshold:g}, scope {a.veto_scope}"))

@@ -113,7 +113,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"layout: world {world_size} = TP {p.tensor} x PP {p.pipeline}"
         + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else "")
         + f" x DP {e['dp']}; sequence parallel {p.sequence_parallel}; distributed optimizer "
-          f"{p.distributed_optimizer}; {r.describe_placement(world_size)}",
+          f"{p.distributed_optimizer}; {r.describe_placement(world_size, gpus_per_node)}",
         f"schedule: {describe_schedule(cfg)}; microbatches of {p.micro_batch_size}",
         f"precision: {cfg.model.dtype}" + (f", FP8 {cfg.model.fp8_format} ({cfg.model.fp8_recipe})"
                                            if cfg.model.fp8_format else ""),

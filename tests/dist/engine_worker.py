@@ -51,7 +51,8 @@ def main() -> None:
     engines = EngineFleet.start(cfg.rollout, hf_dir, dtype="float32", max_model_len=128)
     # tests pass a bucket smaller than the largest tensor to check that such a tensor travels alone
     bucket = int(os.environ.get("TEST_BUCKET_BYTES", cfg.rollout.weight_bucket_mb << 20))
-    result: dict = {"gaps": {}, "sync": [], "replicas": engines.num_replicas,
+    result: dict = {"engine": cfg.rollout.engine, "gaps": {}, "sync": [],
+                    "replicas": engines.num_replicas,
                     "describe": engines.describe()}
 
     def sync(how=None):
