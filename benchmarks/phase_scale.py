@@ -8,8 +8,9 @@ ranks play two engine replicas' leaders and then two learner ranks, through the 
    decodes them with a real tokenizer, scores them on a real reward pool (a cheap reward:
    ``digit_parity_reward``) and writes shards;
 2. rank 0 indexes the phase (``phase_store.finalize``: advantages, uniform groups);
-3. each rank maps the phase (``PhaseData``) and builds the batches of ``--updates`` updates from
-   the scheduler's minibatches (``--samples-per-update`` rows each).
+3. each rank opens the phase (``PhaseData``) and, as a data-parallel rank of 2 in the trainer,
+   reads and pads its half of each of ``--updates`` updates' rows (the scheduler's minibatches of
+   ``--samples-per-update`` rows).
 
 Reported per rank: peak RSS (VmHWM), the peak of anonymous RSS (sampled every 10 ms: the process's
 own memory, without mapped file pages), seconds to generate-and-write, to index, and the data
@@ -156,7 +157,9 @@ def new_path(rank: int, world: int, size: int, work: Path, args) -> dict:
     t_mb = time.perf_counter()
     for mb in sched.minibatches(phase, len(data.train_rows)):
         rows = data.train_rows[np.asarray(mb.sample_indices, dtype=np.int64)]
-        batch = data.batch(rows)
+        # as the trainer: this rank (a data-parallel rank of 2) reads its share of the update
+        # (the learner's dp_rows: contiguous halves)
+        batch = data.batch(share(rows, rank, world))
         tokens += int(batch.response_mask.sum())
         now = time.perf_counter()
         per_update.append(now - t_mb)
@@ -164,7 +167,7 @@ def new_path(rank: int, world: int, size: int, work: Path, args) -> dict:
     return {"write_s": t_write, "index_s": t_index, "update_data_s": float(np.median(per_update)),
             "update_data_max_s": float(np.max(per_update)), "groups": counts.groups,
             "shards": counts.shards, "num_train": len(data.train_rows),
-            "tokens_per_update": tokens / len(per_update),
+            "tokens_per_update_per_rank": tokens / len(per_update),
             "disk_mib": sum(p.stat().st_size for p in directory.iterdir()) / 2**20}
 
 
@@ -323,7 +326,8 @@ def main() -> int:
                "peak anon r1 MiB", "generate+write s", "index s", "data/update r0 ms",
                "data/update r1 ms", "data / learner step"]
     print(table(headers, rows))
-    print(f"learner step: {step} s from {step_source}; {args.samples_per_update} rows an update")
+    print(f"learner step: {step} s from {step_source}; {args.samples_per_update} rows an update, "
+          f"half of them read by each rank")
     write_json(args.out, {"args": vars(args), "learner_step_s": step,
                           "learner_step_source": step_source, "results": results,
                           "headers": headers, "rows": rows})

