@@ -82,8 +82,9 @@ class ParallelConfig(_Section):
     then one such row and micro_batch_size is not used. 0 pads. Must hold the longest
     prompt + response (a multiple of tensor with sequence parallel)."""
     timeout_minutes: int = 180
-    """Collective timeout. While rank 0 generates a phase, the other ranks wait in a collective,
-    so this must exceed the longest generation stage (and evaluation) of the run."""
+    """Collective timeout. A rank without an engine, and a replica that finishes its share of a
+    phase first, wait for the slowest replica in a collective, so this must exceed the longest
+    generation stage (and evaluation) of the run."""
     offload_learner: Literal["auto", "always", "never"] = "auto"
     """Move the learner's weights, gradients and optimizer state to host memory while the engine
     generates (and evaluates), and back before the next update. 'auto': on when the learner is on
