@@ -187,7 +187,7 @@ def test_sigkill_mid_generation_then_resume_with_other_replicas(setup, before, a
     assert len(got) == len(want) == 32
     for (p, r, lp, reward), (p_ref, r_ref, lp_ref, reward_ref) in zip(got, want):
         assert np.array_equal(p, p_ref) and np.array_equal(r, r_ref) and reward == reward_ref
-        assert np.abs(lp - lp_ref).max() < 1e-5
+        assert np.allclose(lp, lp_ref, rtol=0, atol=1e-5)
     assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
 
 

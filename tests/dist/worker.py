@@ -6,8 +6,8 @@ BATCH is a safetensors file with tokens, response_mask, behav_logp, advantages a
 copy of behav_logp with a NaN, whose step must be skipped). OUT gets tensors.safetensors (log-probs
 and entropy before the updates, log-probs after, logits at TP1), weights.safetensors and
 grads.safetensors (HF-named, after the first update) and result.json (the step results).
-With TEST_OFFLOAD=1 the learner is offloaded to the host and back before the last update, which
-takes only this data-parallel rank's rows (``train_step(dp_local=True)``, as the trainer does).
+The last update takes only this data-parallel rank's rows (``train_step(dp_local=True)``, as the
+trainer gives them). With TEST_OFFLOAD=1 the learner is offloaded to the host and back before it.
 """
 
 import json
