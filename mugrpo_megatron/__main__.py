@@ -74,19 +74,31 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     # before any process group exists: the layout, and the engines' placement over the nodes
     cfg.check_world_size(world, args.gpus_per_node or launcher_ranks_per_node())
-    from mugrpo_megatron import run_dir
+    from mugrpo_megatron import distributed, run_dir
 
     start = run_dir.check(cfg, overwrite=args.overwrite)  # reads only; every rank, before groups
+    # then, before any model, engine or data: the ranks agree that they share one run directory
+    distributed.init_default_group(cfg.parallel.timeout_minutes)
+    start = run_dir.agree(cfg, start)
     from mugrpo_megatron.trainer import RunFailed, Trainer
 
-    trainer = Trainer(cfg, start)
+    trainer = None
     try:
+        trainer = Trainer(cfg, start)
         trainer.run()
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:
+        if not distributed.is_collective_timeout(e):
+            raise
+        # said before the clean-up, which may itself wait on the rank that stopped answering
+        print(f"error: {distributed.timeout_explanation(cfg.parallel.timeout_minutes)}\n"
+              f"({type(e).__name__}: {str(e)[:500]})", file=sys.stderr, flush=True)
+        return 1
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
     return 0
 
 

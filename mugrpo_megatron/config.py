@@ -78,13 +78,22 @@ class ParallelConfig(_Section):
     """Responses per microbatch on each data-parallel rank."""
     pack_tokens: int = 0
     """Pack whole sequences (prompt + response) end to end into microbatch rows of this many
-    tokens, longest first, instead of padding each to the batch's longest; each microbatch is
-    then one such row and micro_batch_size is not used. 0 pads. Must hold the longest
-    prompt + response (a multiple of tensor with sequence parallel)."""
-    timeout_minutes: int = 180
-    """Collective timeout. A rank without an engine, and a replica that finishes its share of a
-    phase first, wait for the slowest replica in a collective, so this must exceed the longest
-    generation stage (and evaluation) of the run."""
+    tokens (rounded up as pad_tokens_to says), longest first, instead of padding each to the
+    batch's longest; each microbatch is then one such row and micro_batch_size is not used.
+    0 pads. Must hold the longest prompt + response."""
+    pad_tokens_to: int = 0
+    """Pad each microbatch row (or size each packed row) so that every tensor-parallel rank's
+    share of its tokens is a multiple of this. 0: what FP8 needs with model.fp8_format (16 for
+    the delayed and tensorwise recipes, 32 for mxfp8, 128 for blockwise: Transformer Engine's
+    GEMMs refuse other shapes), else 1. The padding is no response token: no loss or log-prob
+    changes; it costs at most this many tokens (x tensor with sequence parallel) a row."""
+    timeout_minutes: float = 180.0
+    """Collective timeout, for every process group of the job: torch's default group, megatron's
+    TP/PP/DP/EP groups (and the gloo groups it makes) and the engines' groups. A rank without an
+    engine, and a replica that finishes its share of a phase first, wait for the slowest replica
+    in a collective, so this must exceed the longest generation stage (and evaluation) of the
+    run; a rank that froze or died is noticed after this long, with an error that names this
+    key."""
     offload_learner: Literal["auto", "always", "never"] = "auto"
     """Move the learner's weights, gradients and optimizer state to host memory while the engine
     generates (and evaluates), and back before the next update. 'auto': on when the learner is on
@@ -101,9 +110,7 @@ class ParallelConfig(_Section):
             self._fail("sequence_parallel", "needs parallel.tensor > 1")
         if self.pack_tokens < 0:
             self._fail("pack_tokens", "must be >= 0 (0: pad instead of packing)")
-        if self.pack_tokens and self.sequence_parallel and self.pack_tokens % self.tensor:
-            self._fail("pack_tokens", f"must be a multiple of parallel.tensor ({self.tensor}) "
-                                      f"with sequence parallel")
+        self._non_negative("pad_tokens_to")
 
     def data_parallel(self, world_size: int) -> int:
         """The data-parallel size for ``world_size`` processes; ValueError if it does not divide."""
@@ -429,7 +436,11 @@ class LoggingConfig(_Section):
     _name: ClassVar[str] = "logging"
 
     run_dir: str = "runs/default"
-    """Directory for rollouts, checkpoints, metrics.jsonl, TensorBoard events, report and plots."""
+    """Directory for rollouts, checkpoints, metrics.jsonl, TensorBoard events, report and plots.
+    On several nodes it must be one directory on shared storage that every node mounts (every
+    rank reads every replica's shards and writes its own checkpoint shards): give an absolute
+    path, since a relative one resolves against each node's working directory. Every rank checks
+    this at start, before any work."""
     tensorboard: bool = True
     """Write TensorBoard events to run_dir/tensorboard."""
     wandb: bool = False
@@ -444,10 +455,15 @@ class LoggingConfig(_Section):
     first: an extra sync that changes nothing of the phase's data (its behaviour log-probs are
     stored) and is not counted in the phase times. 0: only before and after."""
 
+    run_dir_wait_s: float = 30.0
+    """At start every rank reads back a token that rank 0 writes into run_dir, to prove that all
+    nodes see one directory; a rank waits this long for it to appear (a network file system's
+    attribute cache can hide a new file from another node for a while) before the run stops."""
+
     def __post_init__(self) -> None:
         if not self.run_dir:
             self._fail("run_dir", "must be a directory path")
-        self._non_negative("eval_every_updates")
+        self._non_negative("eval_every_updates", "run_dir_wait_s")
 
 
 @dataclass(frozen=True)

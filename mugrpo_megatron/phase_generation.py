@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mugrpo_megatron.distributed import collective_device
 from mugrpo_megatron.engines import SamplingSpec
 from mugrpo_megatron.engines.base import Generation
 from mugrpo_megatron.phase_store import ScoredGroup, persisted_groups, write_shard
@@ -51,13 +52,6 @@ def phase_seed(seed: int, phase: int) -> int:
     return (seed * 1_000_003 + phase * 10_007) % 2**31 * 2**31
 
 
-def _collective_device() -> torch.device:
-    """Where a tensor must live for the default group's collectives (NCCL: this rank's GPU)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def pending_positions(directory: Path, num_groups: int) -> np.ndarray:
     """Positions of the phase's groups not yet on disk, the same on every rank (collective)."""
     done = torch.zeros(num_groups, dtype=torch.uint8)
@@ -66,7 +60,7 @@ def pending_positions(directory: Path, num_groups: int) -> np.ndarray:
             tmp.unlink()
         done = torch.from_numpy(persisted_groups(directory, num_groups).astype(np.uint8))
     if dist.get_world_size() > 1:
-        done = done.to(_collective_device())
+        done = done.to(collective_device())
         dist.broadcast(done, src=0)
     return np.flatnonzero(done.cpu().numpy() == 0)
 
@@ -158,7 +152,7 @@ class ShardWriter:
 
 def sum_counts(counts: ReplicaCounts) -> ReplicaCounts:
     """Every replica's counts, summed on every rank (one small all-reduce). Only leaders count."""
-    t = torch.tensor(counts.totals(), dtype=torch.int64, device=_collective_device())
+    t = torch.tensor(counts.totals(), dtype=torch.int64, device=collective_device())
     if dist.get_world_size() > 1:
         dist.all_reduce(t)
     return ReplicaCounts(*t.cpu().tolist(), score_wait_seconds=counts.score_wait_seconds,

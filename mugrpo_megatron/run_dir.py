@@ -11,8 +11,13 @@ placement and memory, checkpoint cadence, reward workers) is left out of the fin
 Each start's whole config is kept: ``config.yaml`` is the first, ``config.1.yaml``,
 ``config.2.yaml``... the starts after it; none is overwritten.
 
-Everything here reads files only and runs before any process group exists, on every rank (each
-hashes the data file it is about to read anyway); ``record_start`` writes, on rank 0 only.
+``check`` reads files only and runs before any process group exists, on every rank (each hashes
+the data file it is about to read anyway). ``agree`` runs right after the default group exists and
+before anything is built: every rank proves that it sees rank 0's run directory (rank 0 writes a
+token there, every rank reads it back) and the same model and data files, and that all reached the
+same decision (new, resume, replace). Shards written by each replica's leader, the index rank 0
+writes and the checkpoints every rank writes only make one run if they land in one directory.
+``record_start`` writes, on rank 0 only.
 """
 
 from __future__ import annotations
@@ -22,9 +27,13 @@ import json
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.config_loader import dump_yaml, to_dict
 from mugrpo_megatron.outputs import move_aside, write_file
@@ -103,6 +112,91 @@ def check(cfg: Config, *, overwrite: bool) -> str:
               f"this one); to continue this run, use its config ({run_dir / 'config.yaml'}). "
               f"Safe to change on resume: {', '.join(SAFE_TO_CHANGE)}.")
     return "resume"
+
+
+TOKEN_FILE = ".mugrpo-rank0-token"
+"""What rank 0 writes into the run directory at start for the other ranks to read back."""
+
+
+def agree(cfg: Config, start: str) -> str:
+    """Collective (every rank, once the default group exists, before any other work): that every
+    rank sees the directory rank 0 sees as ``logging.run_dir``, reads the same model and data
+    files, and took the same ``start`` (from ``check``). Returns ``start``; ValueError on every
+    rank, naming the ranks, hosts and paths, otherwise. Costs two small all-gathers and a token
+    file of 32 bytes; nothing when the world has one rank."""
+    rank, size = distributed.world()
+    if size == 1:
+        return start
+    run_dir = Path(cfg.logging.run_dir)
+    mine = {"host": distributed.host(), "path": os.path.abspath(run_dir), "start": start,
+            "fingerprint": fingerprint(cfg)}
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, mine)
+    fix = ("logging.run_dir must be one directory that every node mounts, with the same "
+           "contents: give an absolute path on shared storage (a relative one resolves against "
+           "each node's working directory), and the same model.path and data files everywhere.")
+    first = everyone[0]
+    for r, other in enumerate(everyone):
+        if other["start"] != first["start"]:
+            raise ValueError(
+                f"logging.run_dir: the ranks see different run directories: rank 0 on "
+                f"{first['host']} sees {first['path']} as a {_start_words(first['start'])}, rank "
+                f"{r} on {other['host']} sees {other['path']} as a "
+                f"{_start_words(other['start'])}. Nothing was written. {fix}")
+        if other["fingerprint"] != first["fingerprint"]:
+            keys = sorted(k for k in set(first["fingerprint"]) | set(other["fingerprint"])
+                          if first["fingerprint"].get(k) != other["fingerprint"].get(k))
+            raise ValueError(
+                f"rank {r} on {other['host']} reads other model or data files than rank 0 on "
+                f"{first['host']} (differing: {', '.join(keys)}). Nothing was written. {fix}")
+    token, made = uuid.uuid4().hex, []
+    if rank == 0:
+        made = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # deepest first
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / TOKEN_FILE).write_text(token)
+    dist.barrier()
+    seen = [None] * size
+    dist.all_gather_object(seen, _read_token(run_dir / TOKEN_FILE, cfg.logging.run_dir_wait_s))
+    if rank == 0:
+        token_seen = [s == token for s in seen]
+        (run_dir / TOKEN_FILE).unlink()
+        if not all(token_seen):
+            for d in made:  # made only for the token: leave the file system as it was
+                d.rmdir()
+    else:
+        token_seen = None
+    box = [token_seen]
+    dist.broadcast_object_list(box, src=0)
+    blind = [r for r, ok in enumerate(box[0]) if not ok]
+    if blind:
+        r = blind[0]
+        raise ValueError(
+            f"logging.run_dir: rank {r} on {everyone[r]['host']} does not see the run directory "
+            f"rank 0 on {first['host']} writes: rank 0 wrote a token into {first['path']}, rank "
+            f"{r} looked in {everyone[r]['path']} and " + ("found another" if seen[r] else
+                                                              "found none")
+            + f" ({len(blind)} of {size} ranks did not see it). Nothing was generated or "
+              f"trained. {fix}")
+    return start
+
+
+def _start_words(start: str) -> str:
+    return {"new": "new run", "resume": "run to resume",
+            "replace": "directory to replace (--overwrite)"}[start]
+
+
+def _read_token(path: Path, wait_s: float) -> str | None:
+    """The token in ``path``; retried for up to ``wait_s`` seconds, since a network file system's
+    attribute cache can hide a file another node just made (NFS: up to acdirmax, 60 s by
+    default) from a node that looked for it before."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return path.read_text()
+        except OSError:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.5)
 
 
 def record_start(cfg: Config, action: str, world_size: int) -> None:

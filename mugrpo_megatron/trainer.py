@@ -89,10 +89,12 @@ class Trainer:
             self.progress.note(f"data: {report.summary()}; held out: {len(self.eval_prompts)}")
         # the engine sizes its memory from what is free when it starts: the learner steps aside
         with self.learner_offloaded():
+            # no weights read from disk: the first sync (before any generation) writes them all
             self.engines = EngineFleet.start(
                 cfg.rollout, cfg.model.path, dtype=cfg.model.dtype,
                 max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                trust_remote_code=cfg.model.trust_remote_code)
+                trust_remote_code=cfg.model.trust_remote_code, load_weights=False,
+                timeout_minutes=cfg.parallel.timeout_minutes)
             self.engines.sleep()  # awake only to generate (and take weights), not while training
         self.progress.note(f"rollout: {self.engines.describe()}")
         # a reward pool beside each replica's leader (global rank 0 leads replica 0 and also
@@ -197,6 +199,7 @@ class Trainer:
         counts = ReplicaCounts()
         error = ""
         t0 = time.perf_counter()
+        self.engines.check_has_weights()
         if self.engines.engine is not None:
             writer = ShardWriter(directory, self.scorer, self.tokenizer, self.prompts,
                                  phase.prompt_indices, r.shard_prompts, counts) \

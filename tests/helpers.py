@@ -19,7 +19,9 @@ def make_batch(path: Path, *, vocab: int = 380, batch: int = 8, seq: int = 24, s
     tokens = torch.randint(3, vocab, (batch, seq), generator=g)
     resp = torch.zeros(batch, seq, dtype=torch.bool)
     for b in range(batch):
-        start, length = 5 + b % 4, 6 + (b * 3) % 12
+        # the second half is much shorter than the first: data-parallel ranks pack their halves
+        # into different numbers of rows
+        start, length = 5 + b % 4, 6 + (b * 3) % 12 if b < batch // 2 else 1 + b % 4
         resp[b, start:min(seq, start + length)] = True
         tokens[b, min(seq, start + length):] = 0  # right padding
     behav = torch.where(resp, torch.rand(batch, seq, generator=g) * 12 - 8, torch.zeros(batch, seq))

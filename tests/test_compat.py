@@ -36,6 +36,10 @@ def test_megatron_patches_read_what_they_expect():
     assert "te_general_gemm is not None" in inspect.getsource(moe_utils)
     compat_megatron.define_missing_te_gemm()
     assert hasattr(moe_utils, "te_general_gemm")
+    # groups_time_out_after fills in this keyword of every group megatron makes
+    from megatron.core import parallel_state
+
+    assert "timeout" in inspect.signature(parallel_state.create_group).parameters
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-ins apply only without CUDA")

@@ -93,16 +93,21 @@ def test_spmd_replicas_take_every_layer(tmp_path, ranks, layout, monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")
-def test_rank0_placement_samples_like_spmd(tmp_path):
+def test_rank0_placement_samples_like_spmd(tmp_path, monkeypatch):
     """One engine on rank 0 meets the same contract, and draws the same samples as two replicas
-    that split the prompts: each prompt's seed does not depend on the replica serving it."""
+    that split the prompts: each prompt's seed does not depend on the replica serving it. The
+    two replicas start as the trainer starts them, without reading the checkpoint's weights
+    (placeholders until the first sync), and sample after that sync what the engine that loaded
+    them from disk samples."""
     hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=3)
     runs = {}
     for placement in ("rank0", "spmd"):
         out = tmp_path / placement
+        monkeypatch.setenv("TEST_DUMMY_ENGINE", "1" if placement == "spmd" else "0")
         torchrun(2, WORKER, str(hf), str(out), f"rollout.placement={placement}", "parallel.tensor=2")
         runs[placement] = check_contract(out)
     assert runs["rank0"]["replicas"] == 1 and runs["spmd"]["replicas"] == 2
+    assert (runs["rank0"]["load_format"], runs["spmd"]["load_format"]) == ("auto", "dummy")
     assert runs["rank0"]["initial_samples"] == runs["spmd"]["initial_samples"]
 
 

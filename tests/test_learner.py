@@ -13,6 +13,7 @@ import torch
 from helpers import ROOT, load_run, make_batch, torchrun
 from safetensors.torch import load_file
 
+from mugrpo_megatron.learner import fp8
 from mugrpo_megatron.learner.packing import sequence_lengths
 from mugrpo_megatron.objective import policy_loss
 from mugrpo_megatron.tiny import make_tiny_checkpoint
@@ -26,6 +27,9 @@ COMMON = ["parallel.micro_batch_size=2", "algo.samples_per_update=8", "algo.tota
 FAMILIES = {"llama": {}, "qwen2": {"tie_embeddings": True}, "qwen3": {}, "mistral": {},
             "qwen3_moe": {}, "mixtral": {}}
 MOE = {"qwen3_moe", "mixtral"}
+# Every layout but the TP1 reference pads each rank's tokens of a microbatch to a multiple of 16
+# (what FP8 needs; the batch's 24 columns are not one) and must still give the reference's numbers.
+PAD = "parallel.pad_tokens_to=16"
 LAYOUTS = {
     "tp2": (2, ["parallel.tensor=2"]),
     "pp2": (2, ["parallel.pipeline=2"]),
@@ -39,16 +43,20 @@ LAYOUTS = {
     "tp2pp2_sp_packed": (4, ["parallel.tensor=2", "parallel.pipeline=2",
                              "parallel.sequence_parallel=true", "parallel.pack_tokens=40"]),
     "dp2_distopt_packed": (2, ["parallel.distributed_optimizer=true", "parallel.pack_tokens=40"]),
-    # MoE: 2 experts on each expert-parallel rank (EP2 inside DP2)
+    # MoE: 2 experts on each expert-parallel rank (EP2 inside DP2); packed, the two DP ranks'
+    # halves of the batch fill 2 rows and 1 row, and every MoE layer is a collective over both
     "ep2_distopt": (2, ["parallel.expert=2"]),
+    "ep2_distopt_packed": (2, ["parallel.expert=2", "parallel.pack_tokens=40"]),
     "tp2pp2_sp": (4, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"]),
 }
+LAYOUTS = {name: (nproc, [*overrides, PAD]) for name, (nproc, overrides) in LAYOUTS.items()}
 FULL = {"llama", "qwen2"}  # every dense layout; the other families at TP2 and PP2
+TIMEOUT_MINUTES = 180.0  # parallel.timeout_minutes' default
 
 
 def layouts_for(family: str) -> list[str]:
     if family in MOE:  # megatron-core needs sequence parallel for MoE with TP > 1
-        return ["ep2_distopt", "tp2_sp", "pp2"]
+        return ["ep2_distopt", "ep2_distopt_packed", "tp2_sp", "pp2"]
     return [name for name in LAYOUTS if not name.startswith("ep")
             and (family in FULL or name in ("tp2", "pp2", "tp2_sp"))]
 
@@ -122,9 +130,21 @@ def hf_reference(hf_dir, batch_path):
             "grad_norm": norm}
 
 
+def check_groups_and_gemms(got, multiple: int) -> None:
+    """Every process group (torch's, megatron's TP/PP/DP/EP and gloo groups) has the configured
+    timeout, and every dense GEMM input meets Transformer Engine's FP8 rule
+    (``assert_dim_for_fp8_exec``: leading dimensions' product % 8, last % 16) at the multiple
+    the layout pads to."""
+    assert got["group_timeouts"] == [TIMEOUT_MINUTES], got["group_timeouts"]
+    assert got["gemm_inputs"]
+    for shape in got["gemm_inputs"]:
+        assert fp8.gemm_inputs_ok(shape) and math.prod(shape[:-1]) % multiple == 0, shape
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tp1_matches_transformers(workdir, family):
     got = run(workdir, family, "tp1", 1, [])
+    assert got["group_timeouts"] == [TIMEOUT_MINUTES], got["group_timeouts"]
     ref = hf_reference(checkpoint(workdir, family), workdir / "batch.safetensors")
     resp = load_file(str(workdir / "batch.safetensors"))["response_mask"].bool()
     assert (got["tensors"]["logits"] - ref["logits"]).abs().max() < 1e-5
@@ -148,6 +168,7 @@ def test_layout_matches_tp1(workdir, family, layout):
     ref = run(workdir, family, "tp1", 1, [])
     nproc, overrides = LAYOUTS[layout]
     got = run(workdir, family, layout, nproc, overrides)
+    check_groups_and_gemms(got, 16)
     tensors, ref_tensors = got["tensors"], ref["tensors"]
     if "packed" in layout:  # packed rows end at each sequence's last response token
         resp = load_file(str(workdir / "batch.safetensors"))["response_mask"].bool()

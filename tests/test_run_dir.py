@@ -2,8 +2,14 @@
 write where it would destroy or mix something. No process group is made: all of it runs first."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
+from helpers import ROOT, torchrun
 
 from mugrpo_megatron import outputs
 from mugrpo_megatron.__main__ import main
@@ -96,3 +102,69 @@ def test_eval_refuses_what_it_would_overwrite(model, tmp_path, capsys):
     assert "is a directory, not a file" in capsys.readouterr().err
     assert main(["eval", "--model", str(tmp_path / "nope")]) == 2
     assert "--model: " in capsys.readouterr().err
+
+
+AGREE = ROOT / "tests" / "dist" / "run_dir_worker.py"
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_one_run_directory(model, tmp_path):
+    """Two ranks that see different run directories, took different start decisions or read
+    another model are stopped on every rank, with the hosts and paths named, before any work;
+    a directory made only for the check is removed again."""
+    torchrun(2, AGREE, str(model), str(tmp_path))
+    cases = {"same": None, "dir": "does not see the run directory rank 0", "start": "rank 0 on",
+             "model": "reads other model or data files than rank 0"}
+    for case, words in cases.items():
+        results = [json.loads((tmp_path / case / f"rank{r}.json").read_text()) for r in range(2)]
+        if words is None:
+            assert all(r.get("ok") == "new" for r in results), results
+            assert results[0]["exists"]  # rank 0 made it for the token; record_start uses it
+            continue
+        for r in results:
+            assert words in r.get("error", ""), (case, results)
+            assert "absolute path on shared storage" in r["error"], r
+            assert socket.gethostname() in r["error"], r
+            assert not r["exists"], (case, results)
+        if case == "start":
+            assert "run to resume" in results[0]["error"] and "new run" in results[0]["error"]
+        if case == "dir":  # nothing left behind, not even the parent it made
+            assert not (tmp_path / "dir" / "own0").exists()
+
+
+@pytest.mark.slow
+def test_two_nodes_in_two_working_directories_stop_before_generating(model, tmp_path):
+    """torchrun --nnodes 2 on localhost, each "node" started in a working directory of its own
+    with a relative logging.run_dir: both stop at start, naming the host, the two paths and what
+    to do, and neither generated anything (before, each generated its share of the first phase
+    into its own directory and only then failed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cwds = [tmp_path / f"node{i}" for i in range(2)]
+    logs = []
+    procs = []
+    for i, cwd in enumerate(cwds):
+        cwd.mkdir()
+        logs.append(open(tmp_path / f"node{i}.log", "w"))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={i}",
+             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+             "-m", "mugrpo_megatron", "train", "--set", f"model.path={model}",
+             "--set", "logging.run_dir=runs/shared", "--set", "logging.run_dir_wait_s=1",
+             "--set", "logging.progress=false"],
+            cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+            stdout=logs[i], stderr=subprocess.STDOUT))
+    t0 = time.monotonic()
+    codes = [p.wait(timeout=300) for p in procs]
+    elapsed = time.monotonic() - t0
+    for f in logs:
+        f.close()
+    text = [(tmp_path / f"node{i}.log").read_text() for i in range(2)]
+    assert codes[0] != 0 and codes[1] != 0, text
+    for t in text:
+        assert "does not see the run directory rank 0" in t, t[-3000:]
+    assert str(cwds[0] / "runs" / "shared") in text[0] and str(cwds[1] / "runs" / "shared") in text[0]
+    for cwd in cwds:  # nothing generated, no directory left behind
+        assert not (cwd / "runs").exists(), list(cwd.rglob("*"))
+    assert elapsed < 240, elapsed  # before any model or engine was built

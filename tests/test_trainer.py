@@ -1,6 +1,7 @@
 """End to end: the trainer on a tiny model through the real learner (TP2) and vLLM on CPU;
 SIGKILL mid-generation and mid-optimization, then resume to the same losses."""
 
+import json
 import os
 import re
 import signal
@@ -202,3 +203,63 @@ def test_sigkill_mid_optimization_then_resume(setup):
     run_to_end(hf, run)
     assert final1.stat().st_mtime_ns == generated_at, "phase 1 was generated again"
     assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
+
+
+def worker_pid(launcher: int, rank: int) -> int:
+    """The torchrun worker of ``rank`` (a child of the launcher, with RANK in its environment)."""
+    for pid in descendants(launcher):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"GROUP_RANK=0" in environ:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under {launcher}")
+
+
+def test_a_frozen_rank_stops_the_run_after_the_timeout(setup):
+    """One rank frozen (SIGSTOP) in the middle of optimization, with parallel.timeout_minutes 1:
+    the other rank gives up within a few minutes, not megatron's default 30, with an error that
+    names the setting; the launcher then ends the frozen one."""
+    d, hf, _ = setup
+    run = d / "frozen"
+    log_path = d / "frozen.log"
+    with open(log_path, "w") as log:
+        proc = start(hf, run, log, {"parallel.timeout_minutes": 1})
+        try:
+            deadline = time.monotonic() + 600
+            while not any(r["kind"] == "update" and r["update"] >= 1 for r in whole_records(run)):
+                assert proc.poll() is None, log_path.read_text()[-4000:]
+                assert time.monotonic() < deadline, "optimization never started"
+                time.sleep(0.1)
+            rank0 = worker_pid(proc.pid, 0)
+            os.kill(worker_pid(proc.pid, 1), signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            while Path(f"/proc/{rank0}").exists() and time.monotonic() < frozen_at + 600:
+                try:  # a zombie (ended, not yet reaped by torchrun) counts as ended
+                    if Path(f"/proc/{rank0}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+                except OSError:
+                    break
+                time.sleep(0.2)
+            stopped_after = time.monotonic() - frozen_at
+        finally:  # torchrun would end the frozen rank too, after a grace period of its own
+            kill_tree(proc.pid)
+            proc.wait()
+    text = log_path.read_text()
+    assert "waited longer than parallel.timeout_minutes = 1 minutes" in text, text[-4000:]
+    assert 55 < stopped_after < 240, stopped_after  # 1 minute, not megatron's 30
+
+
+def whole_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's complete lines (the run may be writing the last one)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break
+    return out

@@ -12,29 +12,34 @@ __all__ = ["Generation", "RolloutEngine", "SamplingSpec", "WeightSyncStats", "ma
 
 
 def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
-                trust_remote_code: bool = False, spmd: bool = False) -> RolloutEngine:
+                trust_remote_code: bool = False, spmd: bool = False, load_weights: bool = True,
+                timeout_minutes: float | None = None) -> RolloutEngine:
     """Start the engine named by ``rollout.engine`` on the HF checkpoint in ``model_dir``.
 
     ``max_model_len`` (prompt + response) is capped at the model's ``max_position_embeddings``:
     engines refuse a longer context than the model was built for. With ``spmd`` (vLLM only) the
     engine is one tensor-parallel rank of a replica, and every rank of the job must call this;
-    ``engines.fleet.EngineFleet`` drives that."""
+    ``engines.fleet.EngineFleet`` drives that. Without ``load_weights`` the engine reads only
+    the config and tokenizer from ``model_dir`` and starts with placeholder weights (the engines'
+    'dummy' load format), which the first ``update_weights`` replaces: at 70B that saves reading
+    141 GB per node from shared storage at every start. ``timeout_minutes`` is given to the
+    engine's own process groups (None: torch's defaults, 10 minutes for NCCL)."""
     config = Path(model_dir) / "config.json"
     if config.is_file():
         positions = json.loads(config.read_text()).get("max_position_embeddings")
         if positions:
             max_model_len = min(max_model_len, int(positions))
+    common = dict(dtype=dtype, max_model_len=max_model_len, trust_remote_code=trust_remote_code,
+                  load_weights=load_weights, timeout_minutes=timeout_minutes)
     if cfg.engine == "vllm":
         from mugrpo_megatron.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(cfg, model_dir, dtype=dtype, max_model_len=max_model_len,
-                          trust_remote_code=trust_remote_code, spmd=spmd)
+        return VLLMEngine(cfg, model_dir, spmd=spmd, **common)
     if cfg.engine == "sglang":
         if spmd:
             raise ValueError("rollout.placement: spmd is for vLLM; SGLang runs as one engine "
                              "per node (placement node) or on rank 0")
         from mugrpo_megatron.engines.sglang_engine import SGLangEngine
 
-        return SGLangEngine(cfg, model_dir, dtype=dtype, max_model_len=max_model_len,
-                            trust_remote_code=trust_remote_code)
+        return SGLangEngine(cfg, model_dir, **common)
     raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}")

@@ -15,6 +15,9 @@ read; ``tests/test_compat.py`` fails, naming the symbol, when a release moves or
   with ``LLM.enqueue`` as groups finish, instead of waiting for a whole call's slowest response.
 - ``shutdown_in_process``: ``LLM.llm_engine.engine_core.shutdown()``, which ``LLM`` has no
   public call for.
+- ``group_timeout_kwargs``: the engine arguments that set the timeout of vLLM's own process
+  groups (``distributed_timeout_seconds``, ``cpu_distributed_timeout_seconds``: in 0.32 and 0.33;
+  an engine of a release without them keeps torch's defaults, 10 minutes for NCCL).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "vllm.v1.engine.input_processor:InputProcessor.assign_request_id",
     "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts.process_weights_after_loading",
     "vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead",
+    "vllm.engine.arg_utils:EngineArgs.distributed_timeout_seconds",
+    "vllm.engine.arg_utils:EngineArgs.cpu_distributed_timeout_seconds",
 )
 """``module:attribute`` of every upstream name a part below patches or reads."""
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -158,3 +163,16 @@ def abort_requests(llm, request_ids: list[str]) -> None:
     """Drop requests still in ``llm``'s scheduler (a stream that stopped early)."""
     if request_ids:
         llm.llm_engine.abort_request(request_ids)
+
+
+def group_timeout_kwargs(timeout_minutes: float | None) -> dict[str, int]:
+    """``LLM`` arguments giving vLLM's process groups (each replica's tensor-parallel NCCL and
+    gloo groups, made inside the learner's world with placement spmd) ``timeout_minutes``;
+    empty for None or a vLLM release without them."""
+    if timeout_minutes is None:
+        return {}
+    from vllm.engine.arg_utils import EngineArgs
+
+    seconds = max(1, round(timeout_minutes * 60))
+    keys = ("distributed_timeout_seconds", "cpu_distributed_timeout_seconds")
+    return {k: seconds for k in keys if hasattr(EngineArgs, k)}

@@ -30,29 +30,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mugrpo_megatron import distributed
 from mugrpo_megatron.config import RolloutConfig, launcher_ranks_per_node
 from mugrpo_megatron.engines import make_engine
 from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _agree(error: str) -> str:
-    """The first rank's non-empty error, on every rank ('' when none failed)."""
-    rank, world = _world()
-    if world == 1:
-        return error
-    errors: list = [None] * world
-    dist.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if not failed:
-        return ""
-    r, e = failed[0]
-    return e if len(failed) == 1 else f"rank {r}: {e} (and {len(failed) - 1} more ranks failed)"
 
 
 def _ranks_per_node(world: int) -> int:
@@ -73,7 +54,7 @@ class EngineFleet:
     """The job's rollout engines; ``engine`` is this rank's (None where it holds none)."""
 
     def __init__(self, engine: RolloutEngine | None, cfg: RolloutConfig):
-        rank, world = _world()
+        rank, world = distributed.world()
         self.engine = engine
         self.tensor_parallel = cfg.tensor_parallel
         spread = cfg.spmd_replicas(world)
@@ -90,12 +71,17 @@ class EngineFleet:
             self.num_replicas, self.replica, self.is_leader = 1, 0, rank == 0
         """``is_leader``: whether this rank scores and persists its replica's answers."""
         self._description = cfg.describe_placement(world, _ranks_per_node(world))
+        self.has_weights = True
+        """False while the engines hold placeholder weights (started without loading them)."""
 
     @classmethod
     def start(cls, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
-              trust_remote_code: bool = False) -> EngineFleet:
-        """Start the engines of ``cfg.placement`` (collective)."""
-        rank, world = _world()
+              trust_remote_code: bool = False, load_weights: bool = True,
+              timeout_minutes: float | None = None) -> EngineFleet:
+        """Start the engines of ``cfg.placement`` (collective). Without ``load_weights`` they
+        start with placeholder weights and refuse to generate until ``update_weights`` ran
+        (see ``make_engine``)."""
+        rank, world = distributed.world()
         spmd = cfg.spmd_replicas(world, launcher_ranks_per_node()) > 0
         per_node = not spmd and cfg.per_node
         local = _ranks_per_node(world)
@@ -106,15 +92,18 @@ class EngineFleet:
                 engine_cfg = replace(cfg, seed=cfg.seed + rank // local) if per_node else cfg
                 engine = make_engine(engine_cfg, model_dir, dtype=dtype,
                                      max_model_len=max_model_len,
-                                     trust_remote_code=trust_remote_code, spmd=spmd)
+                                     trust_remote_code=trust_remote_code, spmd=spmd,
+                                     load_weights=load_weights, timeout_minutes=timeout_minutes)
             except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
                 error = f"{type(e).__name__}: {e}"
-        error = _agree(error)
+        error = distributed.agree(error)
         if error:
             if engine is not None:
                 engine.shutdown()
             raise RuntimeError(f"the rollout engine did not start: {error}")
-        return cls(engine, cfg)
+        fleet = cls(engine, cfg)
+        fleet.has_weights = load_weights
+        return fleet
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
                  ) -> list[list[Generation]] | None:
@@ -123,6 +112,7 @@ class EngineFleet:
         Every rank passes the same prompts. Prompt ``i`` is sampled with seed
         ``sampling.seed + i * sampling.n`` whichever replica serves it (on engines that seed per
         request), so the samples do not depend on the number of replicas."""
+        self.check_has_weights()
         if self.spmd and self.tensor_parallel > 1 and sampling.seed is None:
             # each rank of a replica samples on its own; unseeded, they could draw different
             # tokens and their schedulers would part ways
@@ -137,10 +127,10 @@ class EngineFleet:
                 result = self.engine.generate(prompts[start:end], spec) if end > start else []
             except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
                 error = f"{type(e).__name__}: {e}"
-        error = _agree(error)
+        error = distributed.agree(error)
         if error:
             raise RuntimeError(error)
-        rank, world = _world()
+        rank, world = distributed.world()
         if self.num_replicas == 1:
             return result if rank == 0 else None
         parts: list | None = [None] * world if rank == 0 else None
@@ -152,7 +142,7 @@ class EngineFleet:
     def agree(self, error: str) -> str:
         """The first failing rank's error on every rank, '' when none failed (collective): what
         ends work each replica did on its own, such as streaming its share of a phase."""
-        return _agree(error)
+        return distributed.agree(error)
 
     def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]
                        ) -> tuple[WeightSyncStats | None, str]:
@@ -166,7 +156,16 @@ class EngineFleet:
                 error = f"{type(e).__name__}: {e}"
         for _ in weights:  # ranks without an engine, and one that refused part way, finish the stream
             pass
-        return stats, _agree(error)
+        error = distributed.agree(error)
+        if not error:
+            self.has_weights = True
+        return stats, error
+
+    def check_has_weights(self) -> None:
+        """Refuse to sample from placeholder weights (an engine started without loading them)."""
+        if not self.has_weights:
+            raise RuntimeError("the engines started without the model's weights and none have been "
+                               "streamed into them yet: sync the learner's weights first")
 
     def sleep(self) -> None:
         if self.engine is not None:

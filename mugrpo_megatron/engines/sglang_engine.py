@@ -62,7 +62,8 @@ def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 
 class SGLangEngine(RolloutEngine):
     def __init__(self, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, load_weights: bool = True,
+                 timeout_minutes: float | None = None):
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -76,6 +77,10 @@ class SGLangEngine(RolloutEngine):
                       tp_size=cfg.tensor_parallel, context_length=max_model_len,
                       trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
                       log_level=os.environ.get("SGLANG_LOG_LEVEL", "warning"))
+        if not load_weights:  # random placeholders; the first sync writes every weight
+            kwargs.update(load_format="dummy")
+        if timeout_minutes is not None:  # its scheduler processes' own process groups
+            kwargs.update(dist_timeout=max(1, round(timeout_minutes * 60)))
         if on_gpu:
             kwargs.update(mem_fraction_static=cfg.gpu_memory_utilization,
                           enable_memory_saver=cfg.sleep_between_phases)

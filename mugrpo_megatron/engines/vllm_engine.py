@@ -31,6 +31,7 @@ from mugrpo_megatron.engines.compat_vllm import (
     abort_requests,
     external_request_id,
     finished_requests,
+    group_timeout_kwargs,
     learner_world_kept,
     quiet_expected_reload_warnings,
     refresh_tied_lm_head,
@@ -43,7 +44,8 @@ class VLLMEngine(RolloutEngine):
     streams = True
 
     def __init__(self, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
-                 trust_remote_code: bool = False, spmd: bool = False):
+                 trust_remote_code: bool = False, spmd: bool = False, load_weights: bool = True,
+                 timeout_minutes: float | None = None):
         on_gpu = torch.cuda.is_available()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: see the module docstring
         if not on_gpu:
@@ -56,8 +58,11 @@ class VLLMEngine(RolloutEngine):
         kwargs = dict(model=str(model_dir), dtype=dtype, seed=cfg.seed, max_model_len=max_model_len,
                       tensor_parallel_size=cfg.tensor_parallel, trust_remote_code=trust_remote_code,
                       enforce_eager=not on_gpu, logprobs_mode="processed_logprobs")
+        if not load_weights:  # random placeholders; the first sync writes every weight
+            kwargs.update(load_format="dummy")
         if spmd:
             kwargs.update(distributed_executor_backend="external_launcher")
+        kwargs.update(group_timeout_kwargs(timeout_minutes))
         if on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
                           enable_sleep_mode=cfg.sleep_between_phases)

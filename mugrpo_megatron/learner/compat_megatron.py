@@ -39,6 +39,13 @@ letting a patch go silently inert.
    ``unshare_steps``, for the fully reshardable distributed-optimizer checkpoints; each says
    which release needs it.
 
+4. **Timeouts of every group** (``groups_time_out_after``): ``initialize_model_parallel``
+   gives its ``distributed_timeout_minutes`` to every group but one: the expert data-parallel
+   gloo group is made without a timeout (0.16.1 and 0.19.2, ``parallel_state.py``:
+   ``create_group(ranks, backend="gloo", group_desc="EXPERT_DATA_PARALLEL_GROUP_GLOO")``), so
+   it would keep torch's 30 minutes. While the groups are made, ``parallel_state.create_group``
+   fills in the timeout where a call leaves it out.
+
 Sequence parallel with megatron's torch norms needs no patch here; the learner tags the norm
 weights ``sequence_parallel`` itself (see ``model.py``).
 """
@@ -61,6 +68,7 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "megatron.core.transformer.moe.moe_utils:router_gating_linear",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
     "megatron.core.optimizer:ChainedOptimizer",
+    "megatron.core.parallel_state:create_group",
 )
 """``module:attribute`` of every upstream name a part below patches or reads."""
 _STREAM_WAITS_FROM = Version("0.19")
@@ -236,3 +244,26 @@ def unshare_steps(optimizer) -> None:
         for state in inner.optimizer.state.values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
+
+
+# ------------------------------------------------------------------ 4. timeouts of every group
+
+
+@contextlib.contextmanager
+def groups_time_out_after(minutes: float) -> Iterator[None]:
+    """See part 4 of the module docstring: inside, megatron's groups made without a timeout get
+    ``minutes``."""
+    import datetime
+
+    from megatron.core import parallel_state
+
+    real = parallel_state.create_group
+
+    def create_group(*args, timeout=None, **kwargs):
+        return real(*args, timeout=timeout or datetime.timedelta(minutes=minutes), **kwargs)
+
+    parallel_state.create_group = create_group
+    try:
+        yield
+    finally:
+        parallel_state.create_group = real

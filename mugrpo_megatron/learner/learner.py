@@ -34,6 +34,7 @@ from megatron.core.transformer.module import Float16Module
 
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.learner.compat_megatron import megatron_on_cpu
+from mugrpo_megatron.learner.fp8 import round_up, token_multiple
 from mugrpo_megatron.learner.hf_config import read_model_spec
 from mugrpo_megatron.learner.model import (
     DTYPES,
@@ -139,6 +140,8 @@ class Learner:
         # packed rows: THD layout (cu_seqlens) through TE's attention, a block-diagonal causal
         # mask through megatron's local attention (whose sliding window would replace the mask)
         self._thd = uses_transformer_engine(cfg.model)
+        self.token_multiple = token_multiple(cfg.model, cfg.parallel)
+        """Microbatch rows (and packed rows) are padded to a multiple of this (``fp8``)."""
         if cfg.parallel.pack_tokens and not self._thd and self.spec.sliding_window:
             raise ValueError("parallel.pack_tokens: a sliding-window model packs only with "
                              "Transformer Engine (THD); set parallel.pack_tokens: 0")
@@ -146,12 +149,14 @@ class Learner:
     # ------------------------------------------------------------------ batches
 
     def _fit_sequence(self, batch: TokenBatch) -> TokenBatch:
-        """With sequence parallel each TP rank holds a slice of the sequence: right-pad it to a
-        multiple of TP (the padding is not a response token, so no loss or log-prob sees it)."""
-        tp, seq = self.layout.tp_size, batch.tokens.shape[1]
-        if not self.config.sequence_parallel or seq % tp == 0:
+        """Right-pad the rows to a multiple of ``token_multiple``: with sequence parallel each TP
+        rank holds an equal slice of the sequence, and FP8 GEMMs take only token counts that
+        are multiples of 16 and more (``fp8``). The padding is no response token, so no loss or
+        log-prob sees it."""
+        seq = batch.tokens.shape[1]
+        if seq % self.token_multiple == 0:
             return batch
-        return _right_padded(batch, seq + tp - seq % tp)
+        return _right_padded(batch, round_up(seq, self.token_multiple))
 
     def _dp_local_tokens(self, batch: TrainBatch) -> tuple[TrainBatch, int]:
         """For this rank's share of a minibatch: the whole minibatch's response-token count
@@ -209,11 +214,19 @@ class Learner:
                              train: bool) -> list[_MicroBatch]:
         """This DP rank's rows packed into rows of ``parallel.pack_tokens`` tokens, one per
         microbatch."""
-        capacity = self.cfg.parallel.pack_tokens
+        capacity = round_up(self.cfg.parallel.pack_tokens, self.token_multiple)
         rows = list(rows)
         lengths = sequence_lengths(batch.response_mask[rows])
+        bins = plan_bins(lengths, capacity)
         out = []
-        for members in plan_bins(lengths, capacity):
+        if self.cfg.parallel.expert > 1 and self.layout.dp_size > 1:
+            # every MoE layer's token dispatch is a collective over the expert-parallel group,
+            # which spans data-parallel ranks: they must run as many microbatches as each other
+            # (one integer over the DP group, a superset of it), the short ones with empty rows
+            n = torch.tensor(len(bins), device=_device())
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
+            out = [_filler(capacity, train) for _ in range(int(n) - len(bins))]
+        for members in bins:
             idx = torch.tensor([rows[i] for i in members])
             lens = [lengths[i] for i in members]
             width = max(lens)
@@ -321,6 +334,8 @@ class Learner:
         full = torch.zeros(batch.tokens.shape, dtype=torch.float32)
         if mpu.is_pipeline_last_stage(ignore_virtual=True) and self.layout.tp_rank == 0:
             for r in results:
+                if isinstance(r["rows"], torch.Tensor) and not r["rows"].numel():
+                    continue  # a filler microbatch (expert parallelism): no row of the batch
                 width = r[key].shape[1]
                 full[r["rows"], 1:width] = r[key][:, :-1]
         full = full.to(_device())
@@ -429,6 +444,19 @@ class Learner:
             inner = m.module
             out.append(inner.module if isinstance(inner, Float16Module) else inner)
         return out
+
+
+def _filler(capacity: int, train: bool) -> _MicroBatch:
+    """A packed microbatch of padding only: no sequence of the batch, no loss, no result row (it
+    keeps ranks that must step together in step; see ``_packed_microbatches``)."""
+    zeros = torch.zeros(1, capacity, dtype=torch.long)
+    packed = PackedRow(tokens=zeros, position_ids=torch.arange(capacity)[None], labels=zeros,
+                       lengths=[capacity], unpack=torch.arange(capacity)[None],
+                       valid=torch.zeros(1, capacity, dtype=torch.bool))
+    return _MicroBatch(rows=torch.zeros(0, dtype=torch.long), tokens=zeros,
+                       position_ids=packed.position_ids, labels=zeros, loss_mask=packed.valid,
+                       behav_logp=torch.zeros(1, capacity) if train else None,
+                       advantages=torch.zeros(1) if train else None, packed=packed)
 
 
 def _right_padded(batch: TokenBatch, seq: int) -> TokenBatch:

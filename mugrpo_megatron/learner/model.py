@@ -6,9 +6,7 @@ rows and columns of the safetensors files that its tensor-parallel shards hold.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +26,13 @@ from megatron.core.transformer.transformer_block import (
 from safetensors import safe_open
 
 from mugrpo_megatron.config import ModelConfig, ParallelConfig
-from mugrpo_megatron.learner.compat_megatron import define_missing_te_gemm, megatron_on_cpu
+from mugrpo_megatron.distributed import init_default_group
+from mugrpo_megatron.learner.compat_megatron import (
+    define_missing_te_gemm,
+    groups_time_out_after,
+    megatron_on_cpu,
+)
+from mugrpo_megatron.learner.fp8 import check_model_dims
 from mugrpo_megatron.learner.hf_config import ModelSpec, gpt_model_kwargs
 from mugrpo_megatron.learner.mapping import map_param, shard_from_hf
 
@@ -47,29 +51,24 @@ class Layout:
 
 
 def init_parallel(parallel: ParallelConfig, seed: int) -> Layout:
-    """Start torch.distributed (NCCL on GPUs, gloo on CPU) and megatron-core's parallel groups.
+    """Start torch.distributed (``distributed.init_default_group``: NCCL on GPUs, gloo on CPU) and
+    megatron-core's parallel groups, every one of them with ``parallel.timeout_minutes`` (megatron
+    would give its own 30 minutes to the TP, PP, DP and EP groups and the gloo groups it makes,
+    and a replica that finishes its share of a phase first waits in one of them for the slowest).
 
     Works under torchrun and in a plain single process (world size 1).
     """
-    use_cuda = torch.cuda.is_available()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
+    init_default_group(parallel.timeout_minutes)
     world = dist.get_world_size()
     dp = parallel.data_parallel(world)
     if not mpu.model_parallel_is_initialized():
-        with megatron_on_cpu():
+        with megatron_on_cpu(), groups_time_out_after(parallel.timeout_minutes):
             mpu.initialize_model_parallel(
                 tensor_model_parallel_size=parallel.tensor,
                 pipeline_model_parallel_size=parallel.pipeline,
                 virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
                 expert_model_parallel_size=parallel.expert,
+                distributed_timeout_minutes=parallel.timeout_minutes,
             )
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return Layout(tp_size=mpu.get_tensor_model_parallel_world_size(),
@@ -200,6 +199,8 @@ def build_chunks(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) 
     if spec.num_layers % stages:
         raise ValueError(f"parallel.pipeline x virtual_pipeline = {stages} does not divide the "
                          f"{spec.num_layers} layers of the model")
+    if model.fp8_format is not None:
+        check_model_dims(spec, parallel)
     config = transformer_config(spec, model, parallel)
     chunks = []
     vp = parallel.virtual_pipeline

@@ -74,11 +74,14 @@ class PackedRow:
         return (~allowed)[None, None]
 
     def cu_seqlens(self, device=None) -> torch.Tensor:
-        """int32 [n + 2]: cumulative lengths with the padding tail as a last sequence (THD)."""
+        """int32 [n + 2] (THD): cumulative lengths, with the padding tail as a last sequence so
+        that the offsets end at the row's length as TE's THD attention expects (``[n + 1]``
+        when there is no tail: no sequence of length 0)."""
         bounds = [0]
         for n in self.lengths:
             bounds.append(bounds[-1] + n)
-        bounds.append(self.capacity)
+        if bounds[-1] < self.capacity:
+            bounds.append(self.capacity)
         return torch.tensor(bounds, dtype=torch.int32, device=device)
 
     def unpack_values(self, row_values: torch.Tensor) -> torch.Tensor:

@@ -48,10 +48,17 @@ def main() -> None:
                              "algo.updates_per_phase=4", "optim.lr=1e-2", *sys.argv[3:]])
     learner = Learner(cfg)
     rank0 = dist.get_rank() == 0
-    engines = EngineFleet.start(cfg.rollout, hf_dir, dtype="float32", max_model_len=128)
+    # TEST_DUMMY_ENGINE=1: the engines start as the trainer starts them, with placeholder
+    # weights, and the first sync below supplies every weight
+    engines = EngineFleet.start(cfg.rollout, hf_dir, dtype="float32", max_model_len=128,
+                                load_weights=os.environ.get("TEST_DUMMY_ENGINE") != "1",
+                                timeout_minutes=cfg.parallel.timeout_minutes)
     # tests pass a bucket smaller than the largest tensor to check that such a tensor travels alone
     bucket = int(os.environ.get("TEST_BUCKET_BYTES", cfg.rollout.weight_bucket_mb << 20))
+    llm = getattr(engines.engine, "llm", None)  # vLLM: what it was told to load
     result: dict = {"engine": cfg.rollout.engine, "gaps": {}, "sync": [],
+                    "load_format": str(llm.llm_engine.vllm_config.load_config.load_format)
+                    if llm is not None else None,
                     "replicas": engines.num_replicas,
                     "describe": engines.describe()}
 

@@ -8,6 +8,8 @@ and entropy before the updates, log-probs after, logits at TP1), weights.safeten
 grads.safetensors (HF-named, after the first update) and result.json (the step results).
 The last update takes only this data-parallel rank's rows (``train_step(dp_local=True)``, as the
 trainer gives them). With TEST_OFFLOAD=1 the learner is offloaded to the host and back before it.
+result.json also records the input shape of every dense GEMM (the layers that are Transformer
+Engine's FP8 GEMMs on a GPU) and the timeout of every process group, as this rank saw them.
 """
 
 import json
@@ -56,10 +58,33 @@ def dp_share(learner, batch: TrainBatch) -> TrainBatch:
                       batch.advantages[rows])
 
 
+GEMMS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def record_gemm_inputs(learner) -> set[tuple[int, ...]]:
+    """Input shapes of every forward of the dense projections (TE's FP8 GEMMs on a GPU; MoE
+    experts are padded by megatron-core itself), collected as they run."""
+    shapes: set[tuple[int, ...]] = set()
+    for chunk in learner.chunks():
+        for name, module in chunk.named_modules():
+            if name.rsplit(".", 1)[-1] in GEMMS and ".experts." not in name:
+                module.register_forward_pre_hook(lambda m, args: shapes.add(tuple(args[0].shape)))
+    return shapes
+
+
+def group_timeouts() -> list[float]:
+    """Minutes of every process group this rank belongs to (gloo), as torch keeps them."""
+    from torch.distributed.distributed_c10d import _world
+
+    return sorted({pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() / 60
+                   for pg in _world.pg_map})
+
+
 def main() -> None:
     hf_dir, batch_path, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32", *sys.argv[4:]])
     learner = Learner(cfg)
+    gemm_inputs = record_gemm_inputs(learner)
     b = load_file(batch_path)
     batch = TrainBatch(b["tokens"], b["response_mask"].bool(), b["behav_logp"], b["advantages"])
     tensors = {}
@@ -102,6 +127,8 @@ def main() -> None:
         (out / "result.json").write_text(json.dumps({
             "skipped_step_left_state_untouched": untouched,
             "num_updates": learner.num_updates, "offload": offload,
+            "gemm_inputs": sorted(gemm_inputs), "token_multiple": learner.token_multiple,
+            "group_timeouts": group_timeouts(),
             "steps": [{"loss": s.loss, "grad_norm": s.grad_norm, "skipped": s.skipped,
                        "reason": s.reason, "lr": s.lr, "metrics": s.metrics} for s in steps]}))
     torch.distributed.destroy_process_group()

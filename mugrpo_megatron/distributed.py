@@ -1,0 +1,89 @@
+"""The job's default process group and the few things every part does with it (torch.distributed
+only: no megatron here).
+
+``init_default_group`` starts it (NCCL on GPUs, gloo on CPU) with ``parallel.timeout_minutes``;
+megatron-core's groups (``learner.model.init_parallel``) and the engines' groups get the same
+timeout, so a rank that waits for a slow or dead peer gives up after that long, everywhere.
+Under torchrun it runs first, before anything reads the run directory or builds a model, so that
+the ranks can agree on both (``run_dir.agree``) before an hour of work.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT_KEY = "parallel.timeout_minutes"
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) when no process group exists."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_default_group(timeout_minutes: float) -> None:
+    """Start torch.distributed's default group (once; a no-op when it exists): NCCL on GPUs, gloo
+    on CPU, with ``timeout_minutes`` for every collective on it. Works under torchrun and in a
+    plain single process (world size 1)."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def collective_device() -> torch.device:
+    """Where a tensor must live for the default group's collectives (NCCL: this rank's GPU)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def host() -> str:
+    return socket.gethostname()
+
+
+def agree(error: str) -> str:
+    """The first failing rank's error on every rank ('' when none failed). Collective: what ends
+    work that ranks did on their own, so that one rank's failure makes every rank raise the same
+    error instead of leaving the others waiting in a collective."""
+    _, size = world()
+    if size == 1:
+        return error
+    errors: list = [None] * size
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if not failed:
+        return ""
+    r, e = failed[0]
+    return e if len(failed) == 1 else f"rank {r}: {e} (and {len(failed) - 1} more ranks failed)"
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that gave up waiting for a peer (gloo raises it; NCCL's
+    watchdog aborts the process itself, after printing its own 'Timeout(ms)=' line)."""
+    text = str(error)  # gloo: "... Timed out waiting 60000ms for recv operation to complete"
+    return isinstance(error, RuntimeError) and ("Timed out waiting" in text
+                                                or "collective operation timeout" in text)
+
+
+def timeout_explanation(timeout_minutes: float) -> str:
+    """What a user reads when a collective timed out."""
+    return (f"a collective operation waited longer than {TIMEOUT_KEY} = {timeout_minutes:g} "
+            f"minutes for another rank, so this rank stopped. A rank that is frozen, crashed or "
+            f"cut off (see the other ranks' logs) causes this; so does work on some ranks that "
+            f"takes longer than the timeout while the others wait (a phase's generation, an "
+            f"evaluation): then raise {TIMEOUT_KEY}. Everything persisted in the run directory "
+            f"was kept; run the same command again to resume.")
