@@ -1,24 +1,33 @@
-"""``train --dry-run``: validate a config for a world size and estimate per-GPU memory, no GPU needed.
+"""``train --dry-run``: validate a config for a world size and estimate per-GPU memory at every
+transition of a phase, no GPU needed.
 
-The estimate is arithmetic on the architecture (from the checkpoint's ``config.json``):
+The estimate is arithmetic on the architecture (from the checkpoint's ``config.json``). What one
+rank holds:
 
-- parameters: this rank's share (TP x PP split; the first and last stages also hold the padded
-  embedding and output layer), in the training dtype;
-- gradients: megatron DDP keeps them in fp32 (``grad_reduce_in_fp32``);
-- optimizer: fp32 master weights and Adam's two moments (12 bytes per parameter; 16-bit training
-  only, fp32 training has no separate master copy), divided by DP with the distributed optimizer;
+- learner state: this rank's parameters (TP x PP split; the first and last stages also hold the
+  padded embedding and output layer) in the training dtype; gradients in fp32 (megatron DDP's
+  ``grad_reduce_in_fp32``); fp32 master weights and Adam's two moments (12 bytes a parameter,
+  8 in fp32 training), divided by DP with the distributed optimizer. ``parallel.offload_learner``
+  moves it to host memory while the engine generates.
 - activations: Korthikanti et al. (2022), 34*s*b*h bytes per layer and microbatch, divided by TP
-  with sequence parallel (10 of the 34 stay replicated without it), with flash attention (the TE
-  spec on GPUs) so no s^2 term; with full recomputation 2*s*b*h per layer plus one layer
-  recomputed; the first pipeline stage holds up to PP microbatches in flight under 1F1B; plus the
-  fp32 logits of one microbatch and their gradient;
-- engine: the policy's weights at the engine's TP size (bf16) and the KV cache that the engine's
-  memory fraction leaves, with the number of tokens that cache holds.
+  with sequence parallel (10 of the 34 stay replicated without it), with flash attention (no
+  s^2 term); with full recomputation 2*s*b*h per layer plus one layer recomputed; the first
+  pipeline stage holds up to PP microbatches in flight under 1F1B; plus the fp32 logits of one
+  microbatch and their gradient.
+- what no offload frees (``RESIDENT``): the CUDA context and library workspaces; NCCL's buffers,
+  per communicator the rank uses; with FP8, Transformer Engine's FP8 copy of every GEMM weight and
+  its transpose (kept between microbatches and steps, not parameters: 2 bytes a GEMM parameter).
+- engine: its budget (``rollout.gpu_memory_utilization`` of the GPU: weights at the engine's TP
+  size, KV cache, activations), plus vLLM's CUDA-graph pool (inside the budget from vLLM 0.21,
+  outside before: counted on top, so a margin on newer releases), which sleep does not free.
 
-With ``parallel.offload_learner`` 'auto' (the default: on, on GPUs) or 'always', the learner's
-memory goes to the host while the engine starts and generates, the engine sleeps while the
-learner trains, and a weight sync wakes only the engine's weights: the peak is the larger of
-learner + engine weights and the engine's whole budget. With 'never' all of it must fit at once.
+The transitions of a phase, each with what is on the device then: start (the engine starts while
+the learner is offloaded), sync (the engine's weights woken alone, beside the learner, and a bucket
+of gathered tensors), generate and evaluate (the whole engine, the learner offloaded), optimize
+(the learner, its activations, the sleeping engine's graph pool), save (the learner; the
+checkpoint is written from the device a tensor at a time). The verdict is the largest, and it
+must leave ``MARGIN`` of the GPU free for the allocator's fragmentation and what this model does
+not know. Host memory per node (the offload pool, the sleeping engine's weights) is printed too.
 """
 
 from __future__ import annotations
@@ -26,11 +35,31 @@ from __future__ import annotations
 from pathlib import Path
 
 from mugrpo_megatron.config import Config
+from mugrpo_megatron.learner.fp8 import check_model_dims
 from mugrpo_megatron.learner.hf_config import ModelSpec, read_model_spec
 from mugrpo_megatron.scheduler import describe_schedule
 
 GIB = 1 << 30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CUDA_CONTEXT = 1.0 * GIB
+"""CUDA context, cuBLAS/cuDNN and Transformer Engine workspaces of one process (~0.5-1 GiB)."""
+NCCL_PER_COMMUNICATOR = 0.5 * GIB
+"""NCCL buffers of one communicator: NCCL_BUFFSIZE (4 MiB) per channel and peer for the Simple
+protocol, plus LL/LL128, on up to 32 channels; NVLS (NVSwitch systems) adds more per communicator
+(NCCL_NVLS_ENABLE=0 turns it off)."""
+VLLM_GRAPH_POOL = 2.0 * GIB
+"""vLLM's CUDA-graph memory (captured batch sizes up to 512), kept while it sleeps."""
+MARGIN = 0.05
+"""Fraction of the GPU the largest transition must leave free."""
+TRANSITIONS = ("start", "sync", "generate", "evaluate", "optimize", "save")
+
+
+def _communicators(cfg: Config, dp: int) -> int:
+    """NCCL communicators a rank uses: the world, TP, DP, two pipeline neighbours and the
+    embedding group, EP, and the engine's tensor-parallel group."""
+    p = cfg.parallel
+    return (1 + (p.tensor > 1) + (dp > 1) + 3 * (p.pipeline > 1) + (p.expert > 1)
+            + (cfg.rollout.tensor_parallel > 1))
 
 
 def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.0,
@@ -43,6 +72,8 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
     if spec.num_layers % stages:
         raise ValueError(f"parallel.pipeline x virtual_pipeline = {stages} does not divide the "
                          f"{spec.num_layers} layers")
+    if cfg.model.fp8_format is not None:
+        check_model_dims(spec, p)
     h, tp = spec.hidden_size, p.tensor
     total = spec.num_parameters()
     embed = spec.vocab_size * h
@@ -51,7 +82,8 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
     expert_layer = spec.num_experts * 3 * h * spec.moe_ffn_hidden_size
     vocab_rows = spec.padded_vocab_size(tp) // tp
     # the first stage holds the embedding, the last the output layer (a copy when tied)
-    dense_params = (layer_params - expert_layer) / tp * spec.num_layers / p.pipeline + vocab_rows * h
+    layers_params = (layer_params - expert_layer) / tp * spec.num_layers / p.pipeline
+    dense_params = layers_params + vocab_rows * h
     if p.pipeline == 1 and not spec.tie_embeddings:
         dense_params += vocab_rows * h
     expert_params = expert_layer / (tp * p.expert) * spec.num_layers / p.pipeline
@@ -64,6 +96,7 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
     # (dp / ep ranks hold the same experts), the rest over all dp ranks
     shard_dense, shard_expert = (dp, dp // p.expert) if p.distributed_optimizer else (1, 1)
     optim_b = opt_per_param * (dense_params / shard_dense + expert_params / shard_expert)
+    state = params_b + grads_b + optim_b
 
     s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     b = p.micro_batch_size
@@ -76,24 +109,45 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
     in_flight = min(p.pipeline, max(1, cfg.algo.samples_per_update // (dp * b)))
     act *= in_flight
     logits = 2 * s * b * vocab_rows * 4
-    learner = params_b + grads_b + optim_b + act + logits
+
+    # not freed by any offload: the process, NCCL, and FP8's weight caches (the GEMM weights)
+    fp8_cache = 2 * (layers_params + expert_params) if cfg.model.fp8_format else 0.0
+    nccl = NCCL_PER_COMMUNICATOR * _communicators(cfg, dp)
+    resident = CUDA_CONTEXT + nccl + fp8_cache
 
     r = cfg.rollout
     engine_weights = total * 2 / r.tensor_parallel
     engine_budget = r.gpu_memory_utilization * gpu_gib * GIB
     kv = max(0.0, engine_budget - engine_weights)
     kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 / r.tensor_parallel
-    engine = max(engine_budget, engine_weights)
-    offloaded = cfg.parallel.offload_learner != "never"
+    graphs = VLLM_GRAPH_POOL if r.engine == "vllm" else 0.0  # SGLang's sleep frees its graphs
+    engine_awake = max(engine_budget, engine_weights) + graphs
+    engine_asleep = graphs if r.sleep_between_phases else engine_awake
+    offloaded = p.offload_learner != "never"
+    learner_while_generating = 0.0 if offloaded else state
+    bucket = 2 * (r.weight_bucket_mb << 20)  # a bucket of gathered tensors and its TP shards
+    transitions = {
+        "start": CUDA_CONTEXT + nccl + engine_awake + learner_while_generating,
+        "sync": resident + state + engine_weights + graphs + bucket,
+        "generate": resident + engine_awake + learner_while_generating,
+        "evaluate": resident + engine_awake + learner_while_generating,
+        "optimize": resident + state + act + logits + engine_asleep,
+        "save": resident + state + engine_asleep,
+    }
+    peak_name = max(transitions, key=transitions.get)
+    ranks = gpus_per_node or world_size
+    host_per_rank = (params_b + optim_b if offloaded else 0.0) + engine_weights
     return {
         "world_size": world_size, "dp": dp, "gpu_gib": gpu_gib,
         "parameters_total": total, "parameters_per_gpu": stage_params,
-        "params": params_b, "grads": grads_b, "optimizer": optim_b, "activations": act,
-        "logits": logits, "learner": learner, "engine_weights": engine_weights, "kv_cache": kv,
-        "kv_tokens": kv / kv_per_token, "engine": engine, "offloaded": offloaded,
-        # offloaded: the learner meets only the engine's weights (the weight sync, before the KV
-        # cache is woken); resident: it meets the whole engine
-        "peak": max(learner + engine_weights, engine) if offloaded else learner + engine,
+        "params": params_b, "grads": grads_b, "optimizer": optim_b, "learner_state": state,
+        "activations": act, "logits": logits, "learner": state + act + logits,
+        "cuda_context": CUDA_CONTEXT, "nccl": nccl, "fp8_cache": fp8_cache,
+        "engine_weights": engine_weights, "kv_cache": kv, "kv_tokens": kv / kv_per_token,
+        "engine": engine_awake, "engine_graphs": graphs, "offloaded": offloaded,
+        "transitions": transitions, "peak_transition": peak_name,
+        "peak": transitions[peak_name], "margin": MARGIN * gpu_gib * GIB,
+        "host_per_node": ranks * host_per_rank, "ranks_per_node": ranks,
         "microbatches_in_flight": in_flight, "seq_len": s,
     }
 
@@ -107,6 +161,16 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
     e = estimate(cfg, spec, world_size, gpu_gib, gpus_per_node)
     p, r = cfg.parallel, cfg.rollout
     g = lambda x: f"{x / GIB:6.1f} GiB"  # noqa: E731
+    on_device = {"start": "engine starting, learner offloaded" if e["offloaded"] else
+                 "engine starting beside the learner",
+                 "sync": "engine weights woken beside the learner, a bucket in flight",
+                 "generate": "whole engine" + (", learner offloaded" if e["offloaded"] else
+                                               " beside the learner"),
+                 "evaluate": "whole engine" + (", learner offloaded" if e["offloaded"] else
+                                               " beside the learner"),
+                 "optimize": "learner, activations, logits; engine " +
+                             ("asleep (graph pool)" if r.sleep_between_phases else "awake"),
+                 "save": "learner; checkpoint written a tensor at a time"}
     lines = [
         f"model: {spec.architecture}, {e['parameters_total'] / 1e9:.2f}B parameters, "
         f"{spec.num_layers} layers, vocab {spec.vocab_size} (padded {spec.padded_vocab_size(p.tensor)})",
@@ -117,22 +181,29 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"schedule: {describe_schedule(cfg)}; microbatches of {p.micro_batch_size}",
         f"precision: {cfg.model.dtype}" + (f", FP8 {cfg.model.fp8_format} ({cfg.model.fp8_recipe})"
                                            if cfg.model.fp8_format else ""),
-        f"per-GPU memory estimate (sequence {e['seq_len']} tokens, {e['microbatches_in_flight']} "
+        f"per-GPU memory (sequence {e['seq_len']} tokens, {e['microbatches_in_flight']} "
         f"microbatches in flight):",
         f"  parameters      {g(e['params'])}  ({e['parameters_per_gpu'] / 1e9:.2f}B on the largest stage)",
         f"  gradients       {g(e['grads'])}  (fp32)",
         f"  optimizer       {g(e['optimizer'])}",
         f"  activations     {g(e['activations'])}",
         f"  logits          {g(e['logits'])}",
-        f"  learner total   {g(e['learner'])}",
+        f"  CUDA context    {g(e['cuda_context'])}",
+        f"  NCCL buffers    {g(e['nccl'])}",
+        f"  FP8 weight caches {g(e['fp8_cache'])}  (Transformer Engine; never offloaded)",
         f"  engine weights  {g(e['engine_weights'])}",
         f"  engine KV cache {g(e['kv_cache'])}  ({e['kv_tokens']:,.0f} tokens)",
-        f"  peak            {g(e['peak'])}  of {gpu_gib:.0f} GiB ("
-        + ("learner offloaded while the engine generates)" if e["offloaded"]
-           else "learner resident while the engine generates)"),
+        f"  engine graphs   {g(e['engine_graphs'])}  (kept while the engine sleeps)",
+        "per-GPU memory at each transition of a phase:",
+        *[f"  {name:<9} {g(v)}  ({on_device[name]})" for name, v in e["transitions"].items()],
+        f"  peak      {g(e['peak'])}  at {e['peak_transition']}, of {gpu_gib:.0f} GiB "
+        f"(a margin of {g(e['margin']).strip()} kept free)",
+        f"host memory per node ({e['ranks_per_node']} ranks): {g(e['host_per_node']).strip()} "
+        f"(offload pool and the sleeping engine's weights, pinned)",
     ]
-    if e["peak"] > gpu_gib * GIB:
-        raise ValueError("\n".join(lines) + f"\nthe estimate ({e['peak'] / GIB:.1f} GiB) does not fit "
+    if e["peak"] + e["margin"] > gpu_gib * GIB:
+        raise ValueError("\n".join(lines) + f"\nthe estimate ({e['peak'] / GIB:.1f} GiB at "
+                         f"{e['peak_transition']}, plus the margin) does not fit "
                          f"{gpu_gib:.0f} GiB per GPU: raise parallel.tensor/pipeline, enable "
                          f"recompute, the distributed optimizer or parallel.offload_learner, or "
                          f"lower rollout.gpu_memory_utilization")

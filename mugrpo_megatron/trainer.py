@@ -95,6 +95,7 @@ class Trainer:
                 max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
                 trust_remote_code=cfg.model.trust_remote_code, load_weights=False,
                 timeout_minutes=cfg.parallel.timeout_minutes)
+            self.mark_memory("start")
             self.engines.sleep()  # awake only to generate (and take weights), not while training
         self.progress.note(f"rollout: {self.engines.describe()}")
         # a reward pool beside each replica's leader (global rank 0 leads replica 0 and also
@@ -152,6 +153,7 @@ class Trainer:
                 self.engines.wake()  # the KV cache, now that the learner stepped aside
                 times.switch += time.perf_counter() - t0
                 self.generate(phase, directory, times)
+                self.mark_memory("generate", phase.index)
                 t0 = time.perf_counter()
                 self.engines.sleep()
                 times.switch += time.perf_counter() - t0
@@ -167,12 +169,21 @@ class Trainer:
         out = self.learner.offload()
         try:
             yield
-        finally:
-            back = self.learner.onload()
-            if times is not None:
-                times.switch += out.seconds + back.seconds
-                times.extra.update(offload_seconds=out.seconds, onload_seconds=back.seconds,
-                                   offload_gib=out.bytes_freed / 2**30)
+        except BaseException:
+            if getattr(self, "engines", None) is not None:
+                self.engines.sleep()  # failing anyway: at least not both on the device at once
+            self.learner.onload()
+            raise
+        if self.engines.kv_cache_awake:
+            # weights, gradients and Adam state beside the KV cache: what the dry run does not
+            # budget for (an out-of-memory error hours into a run at 70B)
+            raise RuntimeError("the learner would return to the device while the engine's KV "
+                               "cache is awake: sleep the engine first")
+        back = self.learner.onload()
+        if times is not None:
+            times.switch += out.seconds + back.seconds
+            times.extra.update(offload_seconds=out.seconds, onload_seconds=back.seconds,
+                               offload_gib=out.bytes_freed / 2**30)
 
     def sync_weights(self) -> float:
         """Stream the learner's weights into the engine (collective); returns the seconds taken,
@@ -184,6 +195,7 @@ class Trainer:
         stream = iter_hf_tensors(self.learner.chunks(), self.learner.spec,
                                  bucket_bytes=self.cfg.rollout.weight_bucket_mb << 20)
         _, error = self.engines.update_weights(stream)
+        self.mark_memory("sync")
         if error:
             raise RunFailed(f"weight sync into the engine failed: {error}. Nothing of the learner "
                             f"was lost; resume from {self.ckpt_dir} by running again.")
@@ -290,6 +302,7 @@ class Trainer:
                 self.save(mb.update + 1, phase.index)
             t_eval += self.evaluate_every(mb.update + 1)
         bar.close()
+        self.mark_memory("optimize", phase.index)
         times.optimize = time.perf_counter() - t_opt - t_eval  # the held-out curve is not training
         times.extra["batch_read_seconds"] = t_data  # reading rows from the shards, in optimize
         if t_eval:
@@ -313,6 +326,7 @@ class Trainer:
     def save(self, update: int, phase: int) -> None:
         save_learner(self.learner, self.ckpt_dir / f"update_{update:07d}",
                      {"update": update, "phase": phase})
+        self.mark_memory("save", phase)
         if self.rank0:
             prune(self.ckpt_dir, self.cfg.checkpoint.keep_last)
         self.start_update = update
@@ -326,6 +340,8 @@ class Trainer:
             spec = eval_sampling(k=r.eval_samples, max_new_tokens=r.max_new_tokens,
                                  temperature=r.temperature)
             gens = self.engines.generate([p.token_ids for p in self.eval_prompts], spec)
+            self.mark_memory("evaluate")
+            self.engines.sleep()  # before the learner comes back to the device
         if not self.rank0:
             return
         res = score_eval(gens, self.eval_prompts, self.scorer, self.tokenizer)
@@ -335,15 +351,15 @@ class Trainer:
 
     def evaluate_every(self, update: int) -> float:
         """The held-out curve (``logging.eval_every_updates``): after ``update`` when it is a
-        multiple, except the run's last, which ``evaluate('after')`` scores. Leaves the engine
-        asleep, as the optimizer expects it. Returns the seconds it took (0 when it skips)."""
+        multiple, except the run's last, which ``evaluate('after')`` scores. ``evaluate`` leaves
+        the engine asleep, as the optimizer expects it. Returns the seconds it took (0 when it
+        skips)."""
         every = self.cfg.logging.eval_every_updates
         if not every or update % every or update >= self.cfg.algo.total_updates:
             return 0.0
         t0 = time.perf_counter()
         self.sync_weights()
         self.evaluate(f"update {update}")
-        self.engines.sleep()
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -353,6 +369,23 @@ class Trainer:
         self.log.close()
 
     # ---------------------------------------------------------------- helpers
+
+    def mark_memory(self, transition: str, phase: int | None = None) -> None:
+        """A 'memory' record (rank 0) at each transition of a phase (the ones the dry run
+        budgets: start, sync, generate, evaluate, optimize, save): where the learner's state
+        and the engine's memory are, and on a GPU the device memory in use and the allocator's
+        peak since the previous mark, so a run's real peaks can be read against the estimate."""
+        if not self.rank0:
+            return
+        values = {"transition": transition, "phase": phase, "engine": self.engines.memory
+                  if getattr(self, "engines", None) is not None else "starting",
+                  "learner_on_device": not self.learner.offloaded}
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            values.update(device_used_gib=(total - free) / 2**30,
+                          allocator_peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+        self.log.log("memory", self.learner.num_updates, values)
 
     def _from_rank0(self, obj):
         """Rank 0's ``obj`` on every rank (what it generated, or a decision it took)."""

@@ -55,3 +55,33 @@ def test_placement_is_checked_before_anything_starts(capsys):
     assert "stays within a node" in capsys.readouterr().err
     assert main(["train", "--dry-run"]) == 2  # no model.path, no --hf-config: not the cwd's
     assert "model.path: not set" in capsys.readouterr().err
+
+
+def test_every_transition_of_a_phase_is_budgeted():
+    """The dry run's verdict is the largest of the phase's transitions, FP8's weight caches and
+    the sleeping engine's graphs count where no offload frees them, an evaluation meets the whole
+    engine without the learner (it no longer comes back before the engine sleeps), and the
+    margin is kept."""
+    from mugrpo_megatron.dryrun import GIB, TRANSITIONS, estimate
+    from mugrpo_megatron.learner.hf_config import read_model_spec
+
+    spec = read_model_spec(ROOT / "configs" / "models" / "llama-3.1-70b-instruct.json")
+    cfg = load_config(ROOT / "configs" / "llama-3.1-70b_8x8xh100_fp8.yaml")
+    e = estimate(cfg, spec, 64, gpus_per_node=8)
+    t = e["transitions"]
+    assert tuple(t) == TRANSITIONS and e["peak"] == max(t.values())
+    assert e["fp8_cache"] > 2 * GIB  # ~2 bytes a GEMM weight of the rank's 2.2B parameters
+    assert t["evaluate"] == t["generate"] < t["generate"] + e["learner_state"]
+    assert t["optimize"] >= e["learner_state"] + e["activations"] + e["fp8_cache"]
+    assert e["peak"] + e["margin"] <= 80 * GIB  # the shipped config keeps the margin
+    resident = estimate(load_config(ROOT / "configs" / "llama-3.1-70b_8x8xh100_fp8.yaml",
+                                    ["parallel.offload_learner=never"]), spec, 64, gpus_per_node=8)
+    assert resident["transitions"]["generate"] == pytest.approx(t["generate"] + e["learner_state"])
+    # fits without the margin, not with it: refused
+    tight = load_config(ROOT / "configs" / "llama-3.1-70b_8x8xh100_fp8.yaml",
+                        ["rollout.gpu_memory_utilization=0.85"])
+    squeezed = estimate(tight, spec, 64, gpus_per_node=8)
+    assert squeezed["peak"] <= 80 * GIB < squeezed["peak"] + squeezed["margin"], squeezed["peak"]
+    with pytest.raises(ValueError, match="at generate, plus the margin"):
+        dry_run(tight, 64, ROOT / "configs" / "models" / "llama-3.1-70b-instruct.json",
+                gpus_per_node=8)

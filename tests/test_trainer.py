@@ -161,6 +161,14 @@ def test_learner_offloaded_while_generating(setup):
         assert p["offload_gib"] > 0 and p["onload_seconds"] > 0
         assert p["switch_seconds"] >= p["offload_seconds"] + p["onload_seconds"]
         assert p["logprob_gap_max"] < 1e-4
+    # the memory at each transition: the learner's state never on the device beside the engine's
+    # KV cache (an evaluation used to bring it back before the engine slept)
+    memory = [r for r in records(run) if r["kind"] == "memory"]
+    where = {(m["transition"], m["learner_on_device"], m["engine"]) for m in memory}
+    assert where == {("start", False, "awake"), ("sync", True, "weights"),
+                     ("generate", False, "awake"), ("evaluate", False, "awake"),
+                     ("optimize", True, "asleep"), ("save", True, "asleep")}, where
+    assert sum(m["transition"] == "evaluate" for m in memory) == 4
 
 
 @pytest.mark.parametrize("before,after", [("spmd", "rank0"), ("rank0", "spmd")])

@@ -73,6 +73,10 @@ class EngineFleet:
         self._description = cfg.describe_placement(world, _ranks_per_node(world))
         self.has_weights = True
         """False while the engines hold placeholder weights (started without loading them)."""
+        self.memory = "awake"
+        """What the engines hold in accelerator memory: 'awake' (weights and KV cache), 'weights'
+        (woken for a sync only) or 'asleep' (neither), as sleep() and wake() left them; kept on
+        every device, so that the order of transitions is checked on CPU too."""
 
     @classmethod
     def start(cls, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
@@ -170,10 +174,17 @@ class EngineFleet:
     def sleep(self) -> None:
         if self.engine is not None:
             self.engine.sleep()
+        self.memory = "asleep"
 
     def wake(self, weights_only: bool = False) -> None:
         if self.engine is not None:
             self.engine.wake(weights_only=weights_only)
+        if not (weights_only and self.memory == "awake"):
+            self.memory = "weights" if weights_only else "awake"
+
+    @property
+    def kv_cache_awake(self) -> bool:
+        return self.memory == "awake"
 
     def shutdown(self) -> None:
         if self.engine is not None:

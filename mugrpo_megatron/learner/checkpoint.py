@@ -1,8 +1,16 @@
 """Learner checkpoints with megatron-core's distributed checkpointing.
 
 Model and optimizer state are saved as sharded tensors (``torch_dist`` format) so that a run can
-resume with another TP/PP/DP layout; the distributed optimizer uses its "fully_reshardable"
-layout for the same reason. The LR scheduler, the phase/update counters and the RNG state go to a
+resume with another TP/PP/DP layout. The distributed optimizer saves in megatron-core's
+"fully_sharded_model_space" layout (``OPTIMIZER_FORMAT``; megatron refuses its flattened ranges
+today, ``compat_megatron`` part 5 describes them as rectangles): each rank writes its own slice of
+each parameter's fp32 master copy and Adam moments, in model space, so any layout reads it back.
+Its "fully_reshardable" layout, used before, gathers every rank's whole TP x PP shard of that
+state in host memory (12 bytes a parameter of the shard: ~27 GB a rank at 70B on TP8 x PP4,
+~55 GiB with the copies around it, on every rank at once); here a save's extra host memory is the
+rank's own shard, which megatron's writer stages in host memory before it writes (both
+0.16.1 and 0.19.2). Checkpoints saved in the old layout still load (``state.json`` names the
+layout; absent means the old one). The LR scheduler, the phase/update counters and the RNG state go to a
 small JSON file (no pickles of ours). A checkpoint directory is complete once ``state.json``
 exists: it is written last, after every rank finished writing tensors, and the directory is
 renamed into place only then. Every load first checks the directory (``compat_dcp``): complete,
@@ -27,12 +35,16 @@ from mugrpo_megatron.learner.compat_megatron import (
     ensure_optimizer_state,
     has_optimizer_state,
     megatron_on_cpu,
+    optimizer_state_in_model_space,
     tolerate_missing_step,
     unshare_steps,
 )
 from mugrpo_megatron.learner.export import copy_tokenizer
 
-_OPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+OPTIMIZER_FORMAT = "fully_sharded_model_space"
+"""The distributed optimizer's checkpoint layout for new saves (see the module docstring)."""
+_LEGACY_FORMAT = "fully_reshardable"
+"""What checkpoints without an 'optimizer_format' in state.json were saved in."""
 HF_CONFIG_DIR = "hf_config"
 """The HF config and tokenizer files kept inside a checkpoint."""
 STATE_FILE = "state.json"
@@ -58,13 +70,19 @@ def _load_model(chunks: list[torch.nn.Module], path: Path) -> None:
             c.load_state_dict(loaded[_model_key(i, len(chunks))])
 
 
-def _sharded_state(learner, loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
+def _opt_metadata(optimizer_format: str) -> dict[str, str]:
+    return {"distrib_optim_sharding_type": optimizer_format}
+
+
+def _sharded_state(learner, loading: bool, with_optimizer: bool = True,
+                   optimizer_format: str = OPTIMIZER_FORMAT) -> dict[str, Any]:
     chunks = learner.chunks()
     state = model_sharded_state(chunks)
     model_state = state["model"] if len(chunks) == 1 else dict(state)
     if with_optimizer:
-        state["optimizer"] = learner.optimizer.sharded_state_dict(
-            model_state, is_loading=loading, metadata=_OPT_METADATA)
+        with optimizer_state_in_model_space():
+            state["optimizer"] = learner.optimizer.sharded_state_dict(
+                model_state, is_loading=loading, metadata=_opt_metadata(optimizer_format))
     return state
 
 
@@ -89,11 +107,14 @@ def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
 
-def save_learner(learner, path: Path, counters: dict[str, int]) -> None:
-    """Collective: every rank writes its shards, rank 0 the small state last (see save_checkpoint)."""
+def save_learner(learner, path: Path, counters: dict[str, int],
+                 optimizer_format: str = OPTIMIZER_FORMAT) -> None:
+    """Collective: every rank writes its shards, rank 0 the small state last (see
+    save_checkpoint). ``optimizer_format``: another of megatron's layouts, for comparisons."""
     with_optimizer = _has_optimizer_state(learner.optimizer)
     with megatron_on_cpu():
-        state = _sharded_state(learner, loading=False, with_optimizer=with_optimizer)
+        state = _sharded_state(learner, loading=False, with_optimizer=with_optimizer,
+                               optimizer_format=optimizer_format)
     save_checkpoint(state, path,
                     hf_source=Path(learner.cfg.model.path), state={
                         "counters": counters,
@@ -101,11 +122,12 @@ def save_learner(learner, path: Path, counters: dict[str, int]) -> None:
                         "num_updates": learner.num_updates,
                         "distributed_optimizer": learner.cfg.parallel.distributed_optimizer,
                         "optimizer_state": with_optimizer,
-                    })
+                        "optimizer_format": optimizer_format,
+                    }, content_metadata=_opt_metadata(optimizer_format))
 
 
 def save_checkpoint(sharded_state: dict[str, Any], path: Path, *, hf_source: Path,
-                    state: dict[str, Any]) -> None:
+                    state: dict[str, Any], content_metadata: dict[str, str] | None = None) -> None:
     """The one way a checkpoint is written (learner saves and ``convert --to megatron``).
 
     Collective: every rank writes its shards into a staging directory beside ``path``; after a
@@ -119,7 +141,8 @@ def save_checkpoint(sharded_state: dict[str, Any], path: Path, *, hf_source: Pat
     dist.barrier()
     tmp = outputs.staging_path(path)
     with megatron_on_cpu():
-        dist_checkpointing.save(sharded_state, str(tmp), content_metadata=_OPT_METADATA)
+        dist_checkpointing.save(sharded_state, str(tmp),
+                                content_metadata=content_metadata or _opt_metadata(OPTIMIZER_FORMAT))
     dist.barrier()
     if dist.get_rank() == 0:
         keep_hf_config(hf_source, tmp)
@@ -156,8 +179,10 @@ def load_learner(learner, path: Path) -> dict[str, int]:
     else:
         ensure_optimizer_state(learner.optimizer)
         tolerate_missing_step(learner.optimizer)
+        saved_format = meta.get("optimizer_format", _LEGACY_FORMAT)
         with megatron_on_cpu():
-            state = dist_checkpointing.load(_sharded_state(learner, loading=True), str(path))
+            state = dist_checkpointing.load(
+                _sharded_state(learner, loading=True, optimizer_format=saved_format), str(path))
             chunks = learner.chunks()
             for i, chunk in enumerate(chunks):
                 chunk.load_state_dict(state[_model_key(i, len(chunks))])

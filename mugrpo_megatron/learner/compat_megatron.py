@@ -46,6 +46,22 @@ letting a patch go silently inert.
    it would keep torch's 30 minutes. While the groups are made, ``parallel_state.create_group``
    fills in the timeout where a call leaves it out.
 
+5. **The distributed optimizer's state in model space, without a gather** (``optimizer_state_
+   in_model_space``). megatron-core's layouts for it either gather each TP x PP shard's whole
+   state on every data-parallel rank ("fully_reshardable": 12 bytes a parameter of the shard in
+   host memory on every rank at a save, ~55 GiB a rank at 70B on TP8 x PP4 x DP2), or tie the
+   checkpoint to the TP x PP layout ("dp_reshardable"). The one that did neither,
+   "fully_sharded_model_space", describes each rank's slice of a parameter with
+   ``ShardedTensor.flattened_range``, which 0.16.1 and 0.19.2 refuse ("not supported"). Inside
+   the context ``DistributedOptimizer.sharded_param_state_fs_model_space`` is replaced by
+   ``_model_space_pieces``: each rank's contiguous slice of a parameter (its flat range in the
+   distributed optimizer) is described as at most three rectangles of the parameter in model
+   space (uneven shards, which megatron hands to torch DCP), so each rank writes only what it
+   holds and any layout reads any other's; a ``ShardedTensorFactory`` per state joins the
+   rectangles back into the slice when loading, and megatron's own
+   ``load_parameter_state_from_fs_model_space`` takes it from there. Written here because no
+   megatron-core release has it.
+
 Sequence parallel with megatron's torch norms needs no patch here; the learner tags the norm
 weights ``sequence_parallel`` itself (see ``model.py``).
 """
@@ -53,6 +69,8 @@ weights ``sequence_parallel`` itself (see ``model.py``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import threading
 from collections.abc import Iterator
 
@@ -69,6 +87,10 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
     "megatron.core.optimizer:ChainedOptimizer",
     "megatron.core.parallel_state:create_group",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_param_state_fs_model_space",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_parameter_state_from_fs_model_space",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._get_main_param_and_optimizer_states",
+    "megatron.core.dist_checkpointing.mapping:ShardedTensorFactory",
 )
 """``module:attribute`` of every upstream name a part below patches or reads."""
 _STREAM_WAITS_FROM = Version("0.19")
@@ -267,3 +289,126 @@ def groups_time_out_after(minutes: float) -> Iterator[None]:
         yield
     finally:
         parallel_state.create_group = real
+
+
+# ------------------------------------------------------------------ 5. optimizer state in model space
+
+
+def rectangles(start: int, end: int, shape: tuple[int, ...]
+               ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The elements ``[start, end)`` of a row-major flattening of ``shape`` as at most a few
+    (offset, size) rectangles, in order; each is itself contiguous in that flattening."""
+    if end <= start:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))]
+    row = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(start, row), divmod(end, row)
+    if r0 == r1:
+        return [((r0, *o), (1, *z)) for o, z in rectangles(c0, c1, shape[1:])]
+    out = []
+    if c0:
+        out += [((r0, *o), (1, *z)) for o, z in rectangles(c0, row, shape[1:])]
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, *[0] * (len(shape) - 1)), (r1 - r0, *shape[1:])))
+    if c1:
+        out += [((r1, *o), (1, *z)) for o, z in rectangles(0, c1, shape[1:])]
+    return out
+
+
+def _parts(metadata, param: torch.Tensor) -> list:
+    """The ShardedTensors a parameter's model state is saved as (a factory, such as the fused
+    gate/up projection's, saves several), each with a meta tensor whose view of the parameter
+    tells which of its elements it holds."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    ghost = torch.empty(param.shape, dtype=param.dtype, device="meta")
+    if isinstance(metadata, ShardedTensor):
+        return [dataclasses.replace(metadata, data=ghost)]
+    built = metadata.build_fn(metadata.key, ghost, metadata.replica_id, None)
+    return list(nested_values(built))
+
+
+def _state_factory(key: str, shard: torch.Tensor, parts: list, start: int, end: int,
+                   instance: int):
+    """One optimizer state of one parameter (this rank's ``shard``: elements ``[start, end)`` of
+    the flattened parameter) as rectangles of the model-space tensors its ``parts`` describe."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def layout():  # (name, part, offset in the part, size, offset in the shard)
+        for i, part in enumerate(parts):
+            view = part.data
+            if not view.is_contiguous():
+                raise NotImplementedError(f"{part.key}: a non-contiguous part of a parameter")
+            lo = max(start, view.storage_offset())
+            hi = min(end, view.storage_offset() + view.numel())
+            for j, (off, size) in enumerate(rectangles(lo - view.storage_offset(),
+                                                       hi - view.storage_offset(), view.shape)):
+                flat = view.storage_offset() + sum(
+                    o * math.prod(view.shape[d + 1:]) for d, o in enumerate(off))
+                yield f"{i}.{j}", part, off, size, flat - start
+
+    def build(factory_key, data, replica_id, flattened_range):
+        out = {}
+        for name, part, off, size, at in layout():
+            # the axes megatron prepends (a layer's index in the stacked layers, an expert's)
+            # are explicit here: torch DCP takes uneven chunks with every axis in their shape
+            prepend = part.prepend_axis_num
+            shape = (*[1] * prepend, *size)
+            out[name] = ShardedTensor(
+                key=f"{key}.{part.key}", data=data[at:at + math.prod(size)].view(shape),
+                dtype=data.dtype, local_shape=shape, global_shape=part.global_shape,
+                global_offset=(*part.global_offset[:prepend],
+                               *(g + o for g, o in zip(part.global_offset[prepend:], off))),
+                axis_fragmentations=None, replica_id=(*part.replica_id[:2], instance))
+        return out
+
+    def merge(loaded):
+        out = torch.empty(end - start, dtype=shard.dtype, device=shard.device)
+        for name, _, _, size, at in layout():
+            out[at:at + math.prod(size)] = loaded[name].reshape(-1)
+        return out
+
+    return ShardedTensorFactory(key, shard, build, merge, replica_id=(0, 0, instance))
+
+
+def _model_space_pieces(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
+    """Replaces ``DistributedOptimizer.sharded_param_state_fs_model_space`` (part 5): the same
+    structure, one entry per parameter in the order ``load_parameter_state_from_fs_model_space``
+    reads, with a ``_state_factory`` per state instead of a flattened ShardedTensor."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    model_sd, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    metadata_of = {sh.data: sh for sh in nested_values(model_sd)}
+    state, index = {}, 0
+    for gbuf_range_maps in self.gbuf_ranges:
+        for per_bucket in gbuf_range_maps.values():
+            for bucket in per_bucket:
+                for model_param, ranges in bucket["param_map"].items():
+                    where = ranges["param"]
+                    tensors = self._get_main_param_and_optimizer_states(model_param)
+                    tensors["fp32_param"] = tensors.pop("param")
+                    parts = _parts(metadata_of[model_param], model_param)
+                    state[index] = {
+                        k: _state_factory(f"optimizer.state.{k}", t, parts, where.start,
+                                          where.end, self.distributed_optimizer_instance_id)
+                        for k, t in tensors.items() if k != "step"}
+                    index += 1
+    return state
+
+
+@contextlib.contextmanager
+def optimizer_state_in_model_space() -> Iterator[None]:
+    """See part 5 of the module docstring: inside, megatron's 'fully_sharded_model_space' layout
+    works again, without flattened ranges."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    real = DistributedOptimizer.sharded_param_state_fs_model_space
+    DistributedOptimizer.sharded_param_state_fs_model_space = _model_space_pieces
+    try:
+        yield
+    finally:
+        DistributedOptimizer.sharded_param_state_fs_model_space = real

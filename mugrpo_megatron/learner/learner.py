@@ -431,6 +431,11 @@ class Learner:
         """Bring the learner back, bit for bit, before the next update or weight sync."""
         return self._host.onload()
 
+    @property
+    def offloaded(self) -> bool:
+        """Whether the learner's state is in host memory now (``offload``)."""
+        return self._host.offloaded
+
     def resident_bytes(self) -> int:
         """Bytes of weights, gradient buffers and optimizer state now on the learner's device."""
         return self._host.resident_bytes()
