@@ -86,8 +86,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(cfg, start)
         trainer.run()
-    except RunFailed as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (RunFailed, outputs.DiskFull, distributed.RemoteFailure) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     except RuntimeError as e:
         if not distributed.is_collective_timeout(e):
@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except outputs.DiskFull as e:  # convert, eval --output (train reports its own)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

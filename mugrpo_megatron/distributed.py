@@ -87,3 +87,26 @@ def timeout_explanation(timeout_minutes: float) -> str:
             f"takes longer than the timeout while the others wait (a phase's generation, an "
             f"evaluation): then raise {TIMEOUT_KEY}. Everything persisted in the run directory "
             f"was kept; run the same command again to resume.")
+
+
+def on_rank0(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on rank 0 only; collective: if it raises, every rank raises (rank 0
+    the original error, the others a ``RemoteFailure`` with its message), so that no rank is left
+    waiting in the collective that follows. Returns rank 0's result (None elsewhere)."""
+    rank, _ = world()
+    if rank == 0:
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as e:
+            agree(f"{type(e).__name__}: {e}")
+            raise
+        agree("")
+        return result
+    error = agree("")
+    if error:
+        raise RemoteFailure(f"rank 0 failed: {error}")
+    return None
+
+
+class RemoteFailure(RuntimeError):
+    """Another rank failed in work it did alone; its message says how."""

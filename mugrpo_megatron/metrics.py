@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from mugrpo_megatron import outputs
 from mugrpo_megatron.config import LoggingConfig
 
 
@@ -43,8 +45,20 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"kind": kind, "update": update, "time": time.time(), **values}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
+        line = (json.dumps(record, default=str) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            end = os.fstat(fd).st_size
+            with outputs.guard(self.path, "metrics", kept=outputs.KEPT, then=outputs.RESUME):
+                try:
+                    view = memoryview(line)
+                    while view:
+                        view = view[os.write(fd, view):]
+                except OSError:
+                    os.ftruncate(fd, end)  # no half line: the file stays one record a line
+                    raise
+        finally:
+            os.close(fd)
         scalars = {f"{kind}/{k}": float(v) for k, v in values.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         if self._tb is not None:

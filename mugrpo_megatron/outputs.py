@@ -15,13 +15,20 @@ destination's name, and a crash leaves the destination as it was.
 
 Only directories of those two names (this module's own) are ever removed by it: a stale staging
 directory left by a crash is cleared before the next attempt.
+
+A write that fails for want of space (``out_of_space``: ENOSPC, EDQUOT, or torch's zip writer's
+"unexpected pos", which is how ``torch.save`` reports a full disk) becomes a ``DiskFull`` error
+that names the path, the space left on its file system, what was kept, and how to go on
+(``disk_full``, ``guard``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 
@@ -115,3 +122,74 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+KEPT = ("every checkpoint, rollout shard and metric already in the run directory is whole (what "
+        "was being written never took its final name)")
+"""What a training run keeps when a write fails: every file is written beside its name, then
+renamed."""
+RESUME = ("run the same command again: the run resumes from its last checkpoint and reuses the "
+          "rollouts already on disk")
+
+
+class DiskFull(RuntimeError):
+    """A write failed for want of space; the message says where, what was kept, what to do."""
+
+
+_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "unexpected pos",
+              "PytorchStreamWriter failed writing")
+
+
+def out_of_space(error: BaseException) -> bool:
+    """Whether ``error`` is a write that failed because the file system (or a quota) is full."""
+    if isinstance(error, DiskFull):
+        return True
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # other writers say it in words: pyarrow's and torch's (RuntimeError), safetensors' own
+    text = str(error)
+    return isinstance(error, Exception) and any(t in text for t in _FULL_TEXT)
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free space on the file system that holds (or would hold) ``path``."""
+    return shutil.disk_usage(_existing(Path(path).absolute())).free
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def disk_full(path: str | Path, what: str, error: BaseException | None, *, kept: str,
+              then: str, needed: int | None = None) -> DiskFull:
+    """The ``DiskFull`` error for a failed write of ``what`` at ``path``."""
+    usage = shutil.disk_usage(_existing(Path(path).absolute()))
+    cause = f" ({type(error).__name__}: {str(error)[:300]})" if error is not None else ""
+    need = f"; it needs about {_size(needed)}" if needed else ""
+    return DiskFull(
+        f"{what}: no space left to write {path}: its file system has {_size(usage.free)} free "
+        f"of {_size(usage.total)} (a quota may allow less){need}{cause}. Nothing persisted was "
+        f"lost: {kept}. Free some space or raise the quota, then {then}.")
+
+
+@contextlib.contextmanager
+def guard(path: str | Path, what: str, *, kept: str, then: str) -> Iterator[None]:
+    """Inside, a write that fails for want of space raises ``disk_full``'s error instead."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as e:
+        if not out_of_space(e):
+            raise
+        raise disk_full(path, what, e, kept=kept, then=then) from e

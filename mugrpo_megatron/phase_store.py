@@ -39,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from mugrpo_megatron import outputs
 from mugrpo_megatron.engines.base import Generation
 from mugrpo_megatron.objective import group_advantages
 from mugrpo_megatron.rollout import padded_batch
@@ -92,10 +93,15 @@ def phase_dir(run_dir: Path, phase: int) -> Path:
 
 def _atomic_write(table: pa.Table, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table, max_chunksize=max(table.num_rows, 1))  # one record batch
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    try:
+        with outputs.guard(path, "rollouts", kept=outputs.KEPT, then=outputs.RESUME):
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table, max_chunksize=max(table.num_rows, 1))  # one batch
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a half-written file holds space and never takes the name
+        raise
     os.replace(tmp, path)
 
 

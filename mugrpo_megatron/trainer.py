@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.config_loader import to_dict
 from mugrpo_megatron.data import load_prompts
+from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.engines.fleet import EngineFleet
 from mugrpo_megatron.evaluation import eval_sampling, score_eval
 from mugrpo_megatron.learner.checkpoint import load_learner, prune, save_learner, usable_checkpoint
@@ -71,9 +72,8 @@ class Trainer:
         self.run_dir = Path(cfg.logging.run_dir)
         self.learner = Learner(cfg)
         self.rank0 = dist.get_rank() == 0
-        if self.rank0:
-            record_start(cfg, start, dist.get_world_size())
-        dist.barrier()  # no rank looks into the run directory before it is this run's
+        # no rank looks into the run directory before it is this run's (a barrier)
+        on_rank0(record_start, cfg, start, dist.get_world_size())
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(
@@ -252,9 +252,9 @@ class Trainer:
                            generated_groups=total.groups, rollout_shards=total.shards)
         if times.generate:
             times.extra["generate_tokens_per_s"] = total.tokens / times.generate
-        if self.rank0:
-            finalize(directory, len(phase.prompt_indices), r.group_size, self.cfg.algo.adv_eps)
-        dist.barrier()  # the index exists before any rank opens it
+        # the index exists before any rank opens it (on_rank0 is collective)
+        on_rank0(finalize, directory, len(phase.prompt_indices), r.group_size,
+                 self.cfg.algo.adv_eps)
 
     def optimize(self, phase: Phase, data: PhaseData, times: PhaseTimes) -> None:
         """mu updates over the phase's samples; checkpoints; per-update and per-phase metrics."""

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from mugrpo_megatron import outputs
+from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.learner.compat_dcp import verify_checkpoint
 from mugrpo_megatron.learner.compat_megatron import (
     ensure_optimizer_state,
@@ -127,28 +128,68 @@ def save_learner(learner, path: Path, counters: dict[str, int],
 
 
 def save_checkpoint(sharded_state: dict[str, Any], path: Path, *, hf_source: Path,
-                    state: dict[str, Any], content_metadata: dict[str, str] | None = None) -> None:
+                    state: dict[str, Any], content_metadata: dict[str, str] | None = None,
+                    then: str = outputs.RESUME) -> None:
     """The one way a checkpoint is written (learner saves and ``convert --to megatron``).
 
     Collective: every rank writes its shards into a staging directory beside ``path``; after a
     barrier rank 0 adds the HF config and tokenizer (``hf_config/``) and ``state.json`` (the
     completion marker, written last), then renames the directory into place, replacing what was
     there. A crash at any point leaves ``path`` as it was: never a half-written checkpoint that
-    looks complete."""
+    looks complete.
+
+    Space: the ranks first add up what they will write (one integer); rank 0 refuses to start
+    when its file system has less free, and a write that runs out of space anyway (a quota
+    below the free space) is a ``DiskFull`` error naming the path, the space and what to do
+    (``then``), after the partial staging directory is removed. Every rank raises either."""
     path = Path(path)
-    if dist.get_rank() == 0:
-        outputs.begin(path)
-    dist.barrier()
     tmp = outputs.staging_path(path)
-    with megatron_on_cpu():
-        dist_checkpointing.save(sharded_state, str(tmp),
-                                content_metadata=content_metadata or _opt_metadata(OPTIMIZER_FORMAT))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        keep_hf_config(hf_source, tmp)
-        outputs.write_file(tmp / STATE_FILE, json.dumps(state, indent=1))
-        outputs.commit(path, tmp)
-    dist.barrier()
+    what = f"checkpoint {path.name}"
+    kept = f"{outputs.KEPT}; the partial checkpoint was removed"
+    needed = torch.tensor(_bytes_to_write(sharded_state), dtype=torch.int64,
+                          device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(needed)
+    on_rank0(_begin, path, int(needed), what, kept, then)
+    try:
+        with outputs.guard(tmp, what, kept=kept, then=then), megatron_on_cpu():
+            dist_checkpointing.save(sharded_state, str(tmp), content_metadata=(
+                content_metadata or _opt_metadata(OPTIMIZER_FORMAT)))
+        dist.barrier()
+
+        def finish() -> None:
+            with outputs.guard(tmp, what, kept=kept, then=then):
+                keep_hf_config(hf_source, tmp)
+                outputs.write_file(tmp / STATE_FILE, json.dumps(state, indent=1))
+                outputs.commit(path, tmp)
+
+        on_rank0(finish)
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # ours, partial: give its space back
+        raise
+
+
+def _bytes_to_write(sharded_state: dict[str, Any]) -> int:
+    """What this rank writes of a sharded state: the tensors (and factories) it holds the main
+    replica of. The sum over ranks is the checkpoint's size."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import is_main_replica
+
+    total = 0
+    for value in nested_values(sharded_state):
+        data = getattr(value, "data", None)
+        if torch.is_tensor(data) and is_main_replica(getattr(value, "replica_id", 0)):
+            total += data.numel() * data.element_size()
+    return total
+
+
+def _begin(path: Path, needed: int, what: str, kept: str, then: str) -> None:
+    """Rank 0: a fresh staging directory, once the file system has room for ``needed`` bytes."""
+    if outputs.free_bytes(path) < needed:
+        raise outputs.disk_full(outputs.staging_path(path), what, None, kept=kept, then=then,
+                                needed=needed)
+    with outputs.guard(path, what, kept=kept, then=then):
+        outputs.begin(path)
 
 
 def keep_hf_config(source: Path, ckpt: Path) -> None:

@@ -35,6 +35,9 @@ def _for_weights(parallel: ParallelConfig, spec) -> ParallelConfig:
     return parallel
 
 
+CONVERT_AGAIN = "run the conversion again"
+
+
 def hf_to_megatron(hf_dir: Path, out: Path, parallel: ParallelConfig, dtype: str) -> None:
     """Collective. ``out`` is written whole beside itself and renamed into place (the caller
     checked that it may be replaced: ``outputs.check_destination``)."""
@@ -44,7 +47,7 @@ def hf_to_megatron(hf_dir: Path, out: Path, parallel: ParallelConfig, dtype: str
     chunks = build_chunks(spec, ModelConfig(path=str(hf_dir), dtype=dtype), parallel)
     load_hf_weights(chunks, spec, hf_dir, layout.tp_rank, layout.tp_size)
     save_checkpoint(model_sharded_state(chunks), out, hf_source=hf_dir,
-                    state={"model_only": True, "dtype": dtype})
+                    state={"model_only": True, "dtype": dtype}, then=CONVERT_AGAIN)
 
 
 def megatron_to_hf(ckpt: Path, out: Path, parallel: ParallelConfig, dtype: str) -> None:
@@ -59,5 +62,5 @@ def megatron_to_hf(ckpt: Path, out: Path, parallel: ParallelConfig, dtype: str) 
     chunks = build_chunks(spec, ModelConfig(path=str(hf_config), dtype=dtype), parallel)
     load_model_state(chunks, ckpt)
     save_hf_checkpoint(iter_hf_tensors(chunks, spec), out, hf_config, write=dist.get_rank() == 0,
-                       dtype=dtype)
+                       dtype=dtype, then=CONVERT_AGAIN)
     dist.barrier()

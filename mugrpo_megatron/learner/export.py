@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
 
-from mugrpo_megatron import outputs
+from mugrpo_megatron import distributed, outputs
 from mugrpo_megatron.learner.hf_config import ModelSpec
 from mugrpo_megatron.learner.mapping import ParamMap, hf_from_shards, tp_split_dim
 from mugrpo_megatron.learner.model import expert_offset, named_hf_params
@@ -184,14 +184,36 @@ def _gather_tp(param: torch.Tensor, pm: ParamMap, spec: ModelSpec, tp_size: int,
 
 def save_hf_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str | Path,
                        source_dir: str | Path, *, write: bool, dtype: str,
-                       max_shard_bytes: int = 2 << 30) -> None:
+                       max_shard_bytes: int = 2 << 30, then: str = outputs.RESUME) -> None:
     """Write streamed tensors as safetensors shards with an index, plus config and tokenizer files
     copied from ``source_dir``. Collective: every rank consumes the stream; only ``write`` ranks
     touch the disk. The checkpoint is written whole beside ``out_dir`` and renamed into place
     (``outputs.commit``), replacing what is there: callers check the destination first
-    (``outputs.check_destination``)."""
+    (``outputs.check_destination``). A writer that runs out of space stops writing, removes its
+    partial directory and goes on consuming the stream (the other ranks are in its
+    collectives); then every rank raises its ``DiskFull`` (``then`` says what to do)."""
     final_out = Path(out_dir)
-    out = outputs.begin(final_out) if write else final_out
+    what, kept = "Hugging Face export", f"{outputs.KEPT}; the partial export was removed"
+    error = ""
+    try:
+        with outputs.guard(final_out, what, kept=kept, then=then):
+            out = outputs.begin(final_out) if write else final_out
+            _write_shards(tensors, out, write, max_shard_bytes)
+            if write:
+                _write_config(out, Path(source_dir), dtype)
+                outputs.commit(final_out, out)
+    except outputs.DiskFull as e:
+        error = str(e)
+        shutil.rmtree(outputs.staging_path(final_out), ignore_errors=True)
+        for _ in tensors:  # the rest of the collective stream
+            pass
+    error = distributed.agree(error)
+    if error:
+        raise outputs.DiskFull(error)
+
+
+def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, write: bool,
+                  max_shard_bytes: int) -> None:
     shard: dict[str, torch.Tensor] = {}
     size = 0
     files: list[list[str]] = []
@@ -211,10 +233,9 @@ def save_hf_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str
             flush()
         if write:
             shard[name] = t.detach().cpu().clone()
-            size += nbytes
         else:
             shard[name] = torch.empty(0)
-            size += nbytes
+        size += nbytes
     flush()
     if not write:
         return
@@ -226,12 +247,13 @@ def save_hf_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str
         weight_map.update({n: final for n in names})
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    src = Path(source_dir)
+
+
+def _write_config(out: Path, src: Path, dtype: str) -> None:
     config = json.loads((src / "config.json").read_text())
     config["torch_dtype"] = config["dtype"] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2))
     copy_tokenizer(src, out)
-    outputs.commit(final_out, out)
 
 
 def copy_tokenizer(source: Path, out: Path) -> None:
