@@ -19,10 +19,16 @@ runs at a tiny size so that the script is tested; its numbers mean nothing there
    packing: packed rows (THD through TE on a GPU) against padded ones on responses of varied
    lengths: log-prob difference and train-step speed-up.
 5. learner_fp8: section 2 with FP8 (Transformer Engine, 'hybrid' format, delayed scaling), when TE
-   is importable.
+   is importable; then a batch whose length is a multiple of neither 8 nor 16 (TE's FP8 GEMMs
+   refuse such token counts; the learner pads them: ``learner/fp8.py``), scored and trained.
 6. engine: vLLM when importable: start-up with the learner offloaded, weight sync from the
    learner, generation tokens/s, sleep and wake times, and the train/inference log-prob gap of
    the engine's samples scored by the learner, in the training dtype.
+7. transitions: device memory in use (``torch.cuda.mem_get_info``) and the allocator's peak at
+   each transition of two phases with an evaluation, as the trainer orders them (the engine's
+   part where vLLM is importable), against the dry run's estimate for the same model.
+8. checkpoint: a learner save and load (the distributed optimizer's model-space layout): seconds,
+   the host memory the save adds over the rank's own optimizer shard, weights bit-exact after.
 """
 
 from __future__ import annotations
@@ -260,9 +266,119 @@ def engine_section(path: Path, state: dict, args) -> dict:
             out["logprob_gap_after_wake"] = gap_of(again)
         else:
             out["sleep"] = "not supported here (no GPU)"
-    finally:
+        engine.sleep()
+    except BaseException:
         engine.shutdown()
+        raise
+    state["engine_obj"] = engine  # the transitions section drives it; main shuts it down
     return out
+
+
+def fp8_odd_lengths(state: dict, args) -> dict:
+    """The FP8 learner on a batch of 1021-token rows (not a multiple of 8 or 16): its log-probs
+    and an update, which Transformer Engine refuses unless the learner pads the tokens."""
+    learner = state["learner"]
+    prompt = args.seq // 4 - 3
+    batch = random_batch(args.samples, prompt, args.seq - prompt - 3, learner.spec.vocab_size)
+    logp, _ = learner.logprobs(batch)
+    step = learner.train_step(batch)
+    return {"seq": int(batch.tokens.shape[1]), "token_multiple": learner.token_multiple,
+            "logp_finite": bool(torch.isfinite(logp).all()), "loss": step.loss,
+            "skipped": step.skipped}
+
+
+def _device_memory() -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    out = {"used_gib": (total - free) / 2**30,
+           "allocator_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def transitions_section(path: Path, state: dict, args) -> dict:
+    """Two phases with an evaluation, in the trainer's order: the learner offloaded while the
+    engine starts, generates and evaluates (the engine asleep otherwise), back for the sync and
+    the updates, and a save. Device memory at each, and the dry run's estimate beside it."""
+    from mugrpo_megatron.dryrun import GIB, estimate
+
+    learner, cfg, batch = state["learner"], state["cfg"], state["batch"]
+    engine = state.get("engine_obj")
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB \
+        if torch.cuda.is_available() else 80.0
+    planned = estimate(cfg, learner.spec, 1, gpu_gib=gpu_gib)["transitions"]
+    marks = []
+
+    def mark(name: str, phase: int) -> None:
+        marks.append({"transition": name, "phase": phase, **_device_memory(),
+                      "estimate_gib": planned[name] / GIB})
+
+    with tempfile.TemporaryDirectory() as tmp:
+        from mugrpo_megatron.learner.checkpoint import save_learner
+
+        learner.offload()
+        mark("start", 0)
+        learner.onload()
+        for phase in range(2):
+            if engine is not None:
+                engine.wake(weights_only=True)
+                from mugrpo_megatron.learner.export import iter_hf_tensors
+
+                engine.update_weights(iter_hf_tensors(learner.chunks(), learner.spec,
+                                                      bucket_bytes=256 << 20))
+            mark("sync", phase)
+            learner.offload()
+            for name in ("generate", "evaluate"):
+                if engine is not None:
+                    engine.wake()
+                    from mugrpo_megatron.engines import SamplingSpec
+
+                    engine.generate([list(range(5, 5 + args.seq // 4))] * 4,
+                                    SamplingSpec(n=2, max_new_tokens=args.new_tokens))
+                mark(name, phase)
+                if engine is not None:
+                    engine.sleep()
+            learner.onload()
+            for _ in range(2):
+                learner.train_step(batch)
+            mark("optimize", phase)
+            save_learner(learner, Path(tmp) / "ckpt", {"update": 0, "phase": phase})  # replaced
+            mark("save", phase)
+    return {"marks": marks, "with_engine": engine is not None,
+            "peak_used_gib": max((m.get("used_gib", 0.0) for m in marks), default=0.0)}
+
+
+def checkpoint_section(state: dict) -> dict:
+    """A save and a load of the learner: time, the host memory the save adds, and the weights."""
+    import re
+
+    from mugrpo_megatron.learner.checkpoint import load_learner, save_learner
+    from mugrpo_megatron.learner.export import iter_hf_tensors
+
+    learner = state["learner"]
+
+    def rss(key: str) -> int:
+        return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+                   .group(1)) * 1024
+
+    weights = {n: t.cpu().clone() for n, t in iter_hf_tensors(learner.chunks(), learner.spec)}
+    params = sum(p.numel() for c in learner.chunks() for p in c.parameters())
+    with tempfile.TemporaryDirectory() as tmp:
+        gc.collect()
+        before = rss("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        t0 = time.perf_counter()
+        save_learner(learner, Path(tmp) / "ckpt", {"update": 1, "phase": 0})
+        save_s = time.perf_counter() - t0
+        extra = rss("VmHWM") - before
+        t0 = time.perf_counter()
+        load_learner(learner, Path(tmp) / "ckpt")
+        load_s = time.perf_counter() - t0
+    after = {n: t.cpu() for n, t in iter_hf_tensors(learner.chunks(), learner.spec)}
+    return {"save_s": save_s, "load_s": load_s, "host_extra_gib": extra / 2**30,
+            "own_optimizer_shard_gib": 12 * params / 2**30,
+            "weights_bit_exact": all(torch.equal(weights[n], after[n]) for n in weights)}
 
 
 def run_section(name: str, fn, results: dict) -> None:
@@ -300,8 +416,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--sections",
-                    default="ceiling,learner_bf16,offload,reshard,packing,engine,learner_fp8")
+    ap.add_argument("--sections", default="ceiling,learner_bf16,offload,reshard,packing,engine,"
+                                          "transitions,checkpoint,learner_fp8,fp8_odd_lengths")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     big = args.size != "tiny"
@@ -334,6 +450,12 @@ def main() -> None:
 
     if "engine" in sections:
         run_section("engine", engine, results)
+    for name, fn in (("transitions", lambda: transitions_section(path, state, args)),
+                     ("checkpoint", lambda: checkpoint_section(state))):
+        if name in sections:
+            run_section(name, fn if have_learner else _no_learner, results)
+    if state.get("engine_obj") is not None:
+        state.pop("engine_obj").shutdown()
 
     def fp8():
         if not torch.cuda.is_available():
@@ -346,6 +468,15 @@ def main() -> None:
 
     if "learner_fp8" in sections:
         run_section("learner_fp8", fp8, results)
+
+    def odd():
+        if results.get("learner_fp8", {}).get("status") != "ok":
+            raise _Skip("the FP8 learner did not run (" + results.get("learner_fp8", {}).get(
+                "why", results.get("learner_fp8", {}).get("error", "not asked for")) + ")")
+        return fp8_odd_lengths(state, args)
+
+    if "fp8_odd_lengths" in sections:
+        run_section("fp8_odd_lengths", odd, results)
     rows = [[k, v["status"], _headline(k, v)] for k, v in results.items() if isinstance(v, dict)
             and "status" in v]
     print(table(["section", "status", "numbers"], rows))
@@ -375,6 +506,15 @@ def _headline(name: str, v: dict) -> str:
     if name == "packing":
         return (f"{v['path']}: |logp diff| max {v['logp_diff_max']:.2e}, step {v['packed_speedup']:.2f}x "
                 f"faster packed ({v['padding_frac']:.0%} padding)")
+    if name == "transitions":
+        return ", ".join(f"{m['transition']}{m['phase']} {m['used_gib']:.1f}/{m['estimate_gib']:.1f}"
+                         for m in v["marks"] if "used_gib" in m) or "no device memory on CPU"
+    if name == "checkpoint":
+        return (f"save {v['save_s']:.2f}s (+{v['host_extra_gib']:.2f} GiB host, own optimizer "
+                f"shard {v['own_optimizer_shard_gib']:.2f}), load {v['load_s']:.2f}s, "
+                f"bit-exact {v['weights_bit_exact']}")
+    if name == "fp8_odd_lengths":
+        return f"seq {v['seq']} padded to a multiple of {v['token_multiple']}: loss {v['loss']:.4f}"
     if name == "engine":
         return (f"{v['generate']['tokens_per_s']:.0f} tok/s, sync {v['sync']['gb_s']:.2f} GB/s, "
                 f"gap {v['logprob_gap']['mean']:.2e} (max {v['logprob_gap']['max']:.2e})"

@@ -23,8 +23,15 @@ def test_device_check_runs_every_section_it_can(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    for name in ("ceiling", "learner_bf16", "offload", "reshard", "packing", "engine"):
+    for name in ("ceiling", "learner_bf16", "offload", "reshard", "packing", "engine",
+                 "transitions", "checkpoint"):
         assert r[name]["status"] == "ok", (name, r[name])
+    marks = r["transitions"]["marks"]
+    assert [m["transition"] for m in marks] == ["start"] + ["sync", "generate", "evaluate",
+                                                            "optimize", "save"] * 2
+    assert r["transitions"]["with_engine"] and all(m["estimate_gib"] > 0 for m in marks)
+    assert r["checkpoint"]["weights_bit_exact"] and r["checkpoint"]["save_s"] > 0
+    assert r["fp8_odd_lengths"]["status"] == "skipped"
     assert r["learner_bf16"]["tokens_per_s"] > 0 and r["learner_bf16"]["losses_finite"]
     assert r["offload"]["offload_1"]["gib"] > 0
     assert r["engine"]["logprob_gap"]["max"] < 1e-4  # fp32 on CPU
