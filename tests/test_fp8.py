@@ -24,3 +24,48 @@ def test_fp8_kwargs_on_gpu():
     pytest.importorskip("transformer_engine.pytorch")
     kw = fp8_kwargs(ModelConfig(dtype="bfloat16", fp8_format="hybrid", fp8_recipe="delayed"))
     assert kw["fp8"] == "hybrid" and kw["fp8_recipe"] == "delayed"
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "mxfp8", "blockwise"])
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True), (8, True)])
+def test_padded_rows_meet_transformer_engines_fp8_rules(recipe, tp, sp):
+    """For any row length and micro-batch, the rows the learner pads (``token_multiple``) give
+    every dense FP8 GEMM an input TE accepts: the column-parallel layers' input is this rank's
+    slice of the sequence with sequence parallel ([s / tp, b, hidden], all-gathered quantized,
+    so it must be quantizable too), the row-parallel layers' the whole sequence. Rules read in
+    TE 2.0-2.18 (learner/fp8.py)."""
+    from mugrpo_megatron.config import ParallelConfig
+    from mugrpo_megatron.learner.fp8 import gemm_inputs_ok, round_up, token_multiple
+
+    quantizable = {"delayed": 1, "tensorwise": 1, "mxfp8": 32, "blockwise": 128}[recipe]
+    model = ModelConfig(dtype="bfloat16", fp8_format="hybrid", fp8_recipe=recipe)
+    parallel = ParallelConfig(tensor=tp, sequence_parallel=sp)
+    multiple = token_multiple(model, parallel)
+    hidden, mlp = 8192, 28672
+    for seq in [1, 7, 15, 17, 24, 1021, 3071, 4096]:
+        padded = round_up(seq, multiple)
+        assert padded >= seq and padded - seq < multiple
+        for micro in (1, 2, 3):
+            column = ((padded // tp if sp else padded) * micro, hidden)
+            row = (padded * micro, mlp // tp)
+            assert gemm_inputs_ok(column) and gemm_inputs_ok(row), (seq, micro)
+            assert column[0] % quantizable == 0, (seq, micro)
+    # without FP8 only sequence parallel asks for a multiple (of TP)
+    assert token_multiple(ModelConfig(), parallel) == (tp if sp else 1)
+    assert token_multiple(ModelConfig(), ParallelConfig(pad_tokens_to=16)) == 16
+
+
+def test_model_dims_are_checked_against_the_fp8_rule():
+    from mugrpo_megatron.config import ParallelConfig
+    from mugrpo_megatron.learner.fp8 import check_model_dims
+    from mugrpo_megatron.learner.hf_config import model_spec_from_dict, read_model_spec
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    check_model_dims(read_model_spec(root / "configs" / "models" / "llama-3.1-70b-instruct.json"),
+                     ParallelConfig(tensor=8, sequence_parallel=True))
+    odd = model_spec_from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 96,
+                                "intermediate_size": 200, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "num_hidden_layers": 2,
+                                "vocab_size": 256})
+    with pytest.raises(ValueError, match=r"linear_fc2 .* weight shape \[96, 100\]"):
+        check_model_dims(odd, ParallelConfig(tensor=2))
