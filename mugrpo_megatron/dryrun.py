@@ -24,8 +24,8 @@ rank holds:
 The transitions of a phase, each with what is on the device then: start (the engine starts while
 the learner is offloaded), sync (the engine's weights woken alone, beside the learner, and a bucket
 of gathered tensors), generate and evaluate (the whole engine, the learner offloaded), optimize
-(the learner, its activations, the sleeping engine's graph pool), save (the learner; the
-checkpoint is written from the device a tensor at a time). The verdict is the largest, and it
+(the learner, its activations, the sleeping engine's graph pool), save (the learner; megatron's
+writer copies the rank's shards to host memory before it writes them). The verdict is the largest, and it
 must leave ``MARGIN`` of the GPU free for the allocator's fragmentation and what this model does
 not know. Host memory per node (the offload pool, the sleeping engine's weights) is printed too.
 """
@@ -170,7 +170,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
                                                " beside the learner"),
                  "optimize": "learner, activations, logits; engine " +
                              ("asleep (graph pool)" if r.sleep_between_phases else "awake"),
-                 "save": "learner; checkpoint written a tensor at a time"}
+                 "save": "learner; its shards are copied to host memory to be written"}
     lines = [
         f"model: {spec.architecture}, {e['parameters_total'] / 1e9:.2f}B parameters, "
         f"{spec.num_layers} layers, vocab {spec.vocab_size} (padded {spec.padded_vocab_size(p.tensor)})",
@@ -190,7 +190,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"  logits          {g(e['logits'])}",
         f"  CUDA context    {g(e['cuda_context'])}",
         f"  NCCL buffers    {g(e['nccl'])}",
-        f"  FP8 weight caches {g(e['fp8_cache'])}  (Transformer Engine; never offloaded)",
+        f"  FP8 caches      {g(e['fp8_cache'])}  (Transformer Engine's FP8 weights; never offloaded)",
         f"  engine weights  {g(e['engine_weights'])}",
         f"  engine KV cache {g(e['kv_cache'])}  ({e['kv_tokens']:,.0f} tokens)",
         f"  engine graphs   {g(e['engine_graphs'])}  (kept while the engine sleeps)",

@@ -97,7 +97,10 @@ class Trainer:
                 timeout_minutes=cfg.parallel.timeout_minutes)
             self.mark_memory("start")
             self.engines.sleep()  # awake only to generate (and take weights), not while training
-        self.progress.note(f"rollout: {self.engines.describe()}")
+        # NCCL's watchdog reports a timeout in its own words ("Timeout(ms)=..."): say which
+        # setting that is (gloo's timeouts are named by the train command itself)
+        self.progress.note(f"rollout: {self.engines.describe()}; every collective times out "
+                           f"after parallel.timeout_minutes = {cfg.parallel.timeout_minutes:g}")
         # a reward pool beside each replica's leader (global rank 0 leads replica 0 and also
         # scores the held-out set)
         self.scorer = RewardScorer(cfg.reward) if self.engines.is_leader else None

@@ -7,4 +7,10 @@ source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 "$VENV/bin/ruff" check --quiet "$ROOT"  # the lint (pyproject.toml [tool.ruff]), in a second
-exec "$VENV/bin/python" -m pytest -q "$@"
+# test files run side by side (pytest-xdist, a file's tests on one worker, so its module
+# fixtures are made once): many tests wait on launches, engines and timeouts with a core idle.
+# TEST_WORKERS=0 runs them one at a time.
+workers="${TEST_WORKERS:-2}"
+parallel=()
+if [ "$workers" != 0 ]; then parallel=(-n "$workers" --dist loadfile); fi
+exec "$VENV/bin/python" -m pytest -q "${parallel[@]}" "$@"

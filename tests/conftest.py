@@ -8,6 +8,11 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests run two at a time (pytest-xdist) beside each other's processes: OpenMP threads that
+# sleep while they wait, instead of spinning, slow down in proportion on a busy machine instead of
+# stalling (seen here: a torch loop 2.3x slower beside one busy process with spinning threads,
+# 1.6x with sleeping ones). Every process the tests start inherits this.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).parent))
 
 

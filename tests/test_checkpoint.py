@@ -50,13 +50,22 @@ def full_state(ckpt, tmp):
     return full, common["optimizer"]["optimizer"]["param_groups"]
 
 
+def saved_in_tp2(setup, steps):
+    """The TP2 run that saves after ``steps`` updates (once a module: two tests read it)."""
+    d, _ = setup
+    if not (d / f"saved_{steps}" / "result.json").exists():
+        run(setup, "save", "tp2", f"saved_{steps}", steps, f"ckpt_{steps}")
+    return load_file(str(d / f"saved_{steps}" / "weights.safetensors")), \
+        json.loads((d / f"saved_{steps}" / "result.json").read_text())
+
+
 def test_optimizer_state_survives_a_layout_change_bit_for_bit(setup):
     """Adam's moments, the fp32 master weights and the step count, saved in TP2 after 2 updates,
     loaded into TP1 / PP2 / DP2 and saved again, are the same bits (AReaL#1468: a megatron-core
     release that loaded a checkpoint and silently dropped the Adam moments)."""
     d, _ = setup
-    run(setup, "save", "tp2", "saved_exact", 2, "ckpt_exact")
-    ref, ref_groups = full_state(d / "ckpt_exact", d / "ref.pt")
+    saved_in_tp2(setup, 2)
+    ref, ref_groups = full_state(d / "ckpt_2", d / "ref.pt")
     optim = {k: v for k, v in ref.items() if k.startswith("optimizer.state.")}
     # the model-space layout: fp32 master weights and both moments of every parameter, written
     # by the ranks that hold them (no rank gathered another's)
@@ -67,7 +76,7 @@ def test_optimizer_state_survives_a_layout_change_bit_for_bit(setup):
         nproc, overrides = LAYOUTS[layout]
         out = d / f"resaved_{layout}"
         torchrun(nproc, WORKER, "resave", str(setup[1]), str(d / "batch.safetensors"),
-                 str(d / "ckpt_exact"), str(out), "2", *COMMON, *overrides)
+                 str(d / "ckpt_2"), str(out), "2", *COMMON, *overrides)
         got, groups = full_state(out / "ckpt", d / f"{layout}.pt")
         assert [g["step"] for g in groups] == [g["step"] for g in ref_groups], layout
         for k, v in optim.items():
@@ -76,7 +85,7 @@ def test_optimizer_state_survives_a_layout_change_bit_for_bit(setup):
 
 @pytest.mark.parametrize("steps", [2, 0])
 def test_resume_in_another_layout(setup, steps):
-    ref_w, ref = run(setup, "save", "tp2", f"saved_{steps}", steps, f"ckpt_{steps}")
+    ref_w, ref = saved_in_tp2(setup, steps)
     for layout in ("tp1", "pp2", "dp2"):
         got_w, got = run(setup, "resume", layout, f"resumed_{steps}_{layout}", steps, f"ckpt_{steps}")
         assert got["losses"][-1] == pytest.approx(ref["losses"][-1], abs=1e-6), layout

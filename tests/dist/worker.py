@@ -1,23 +1,28 @@
-"""Runs under torchrun: one layout of the learner on a tiny model; rank 0 saves what it measured.
+"""Runs under torchrun: layouts of the learner on a tiny model, one after the other in one launch
+(each launch costs ~10 s of start-up on 2 cores); rank 0 saves what each measured.
 
-python -m torch.distributed.run --nproc_per_node N tests/dist/worker.py HF_DIR BATCH OUT KEY=VALUE...
+python -m torch.distributed.run --nproc_per_node N tests/dist/worker.py HF_DIR BATCH JOBS
 
-BATCH is a safetensors file with tokens, response_mask, behav_logp, advantages and nan_behav (a
-copy of behav_logp with a NaN, whose step must be skipped). OUT gets tensors.safetensors (log-probs
-and entropy before the updates, log-probs after, logits at TP1), weights.safetensors and
-grads.safetensors (HF-named, after the first update) and result.json (the step results).
-The last update takes only this data-parallel rank's rows (``train_step(dp_local=True)``, as the
-trainer gives them). With TEST_OFFLOAD=1 the learner is offloaded to the host and back before it.
-result.json also records the input shape of every dense GEMM (the layers that are Transformer
-Engine's FP8 GEMMs on a GPU) and the timeout of every process group, as this rank saw them.
+JOBS is a JSON file: a list of {"out": DIR, "overrides": [KEY=VALUE, ...], "offload": bool}, each
+a layout of N ranks. Between jobs megatron's parallel state is torn down and made again for the
+next layout (the default process group stays). BATCH is a safetensors file with tokens,
+response_mask, behav_logp, advantages and nan_behav (a copy of behav_logp with a NaN, whose step
+must be skipped). Each OUT gets tensors.safetensors (log-probs and entropy before the updates,
+log-probs after, logits at TP1), weights.safetensors and grads.safetensors (HF-named, after the
+first update) and result.json (the step results). The last update takes only this data-parallel
+rank's rows (``train_step(dp_local=True)``, as the trainer gives them). With "offload" the learner
+is offloaded to the host and back before it. result.json also records the input shape of every
+dense GEMM (the layers that are Transformer Engine's FP8 GEMMs on a GPU) and the timeout of every
+process group, as this rank saw them.
 """
 
+import gc
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state as mpu
 from safetensors.torch import load_file, save_file
 
 from mugrpo_megatron.config_loader import load_config
@@ -81,8 +86,17 @@ def group_timeouts() -> list[float]:
 
 
 def main() -> None:
-    hf_dir, batch_path, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32", *sys.argv[4:]])
+    hf_dir, batch_path, jobs = sys.argv[1], sys.argv[2], json.loads(Path(sys.argv[3]).read_text())
+    for job in jobs:
+        run_layout(hf_dir, batch_path, Path(job["out"]), job["overrides"], job["offload"])
+        gc.collect()
+        mpu.destroy_model_parallel()  # the next layout makes its own groups
+    torch.distributed.destroy_process_group()
+
+
+def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
+               offload_too: bool) -> None:
+    cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32", *overrides])
     learner = Learner(cfg)
     gemm_inputs = record_gemm_inputs(learner)
     b = load_file(batch_path)
@@ -91,7 +105,8 @@ def main() -> None:
     if torch.distributed.get_world_size() == 1:
         pos = torch.arange(batch.tokens.shape[1]).expand(batch.size, -1)
         with torch.no_grad(), megatron_on_cpu():
-            tensors["logits"] = learner.chunks()[0](batch.tokens, pos, None)[..., :learner.spec.vocab_size].contiguous()
+            logits = learner.chunks()[0](batch.tokens, pos, None)
+            tensors["logits"] = logits[..., :learner.spec.vocab_size].contiguous()
     tensors["logp0"], tensors["entropy"] = learner.logprobs(
         TokenBatch(batch.tokens, batch.response_mask), with_entropy=True)
     steps = [learner.train_step(batch)]
@@ -104,7 +119,7 @@ def main() -> None:
     untouched = all(torch.equal(before[k], after[k]) for k in before) and \
         checksum == optimizer_checksum(learner)
     offload = {}
-    if os.environ.get("TEST_OFFLOAD"):
+    if offload_too:
         before_bytes = learner.resident_bytes()
         out_stats = learner.offload()
         offload = {"resident_before": before_bytes, "resident_offloaded": learner.resident_bytes(),
@@ -131,7 +146,7 @@ def main() -> None:
             "group_timeouts": group_timeouts(),
             "steps": [{"loss": s.loss, "grad_norm": s.grad_norm, "skipped": s.skipped,
                        "reason": s.reason, "lr": s.lr, "metrics": s.metrics} for s in steps]}))
-    torch.distributed.destroy_process_group()
+    torch.distributed.barrier()
 
 
 if __name__ == "__main__":
