@@ -12,5 +12,5 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 # TEST_WORKERS=0 runs them one at a time.
 workers="${TEST_WORKERS:-2}"
 parallel=()
-if [ "$workers" != 0 ]; then parallel=(-n "$workers" --dist loadfile); fi
+if [ "$workers" != 0 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 exec "$VENV/bin/python" -m pytest -q "${parallel[@]}" "$@"

@@ -21,3 +21,17 @@ def tokenizer(tmp_path_factory):
     from mugrpo_megatron.tiny import make_tokenizer
 
     return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+# The heaviest files first (minutes each on 2 cores), so that with two workers none of them is
+# left to run alone at the end; scripts/test.sh keeps this order (--no-loadscope-reorder).
+HEAVY_FIRST = ("test_benchmarks.py", "test_engine_contract.py", "test_trainer.py",
+               "test_learner.py", "test_convert.py", "test_checkpoint.py", "test_disk_full.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def weight(item):
+        name = Path(str(item.fspath)).name
+        return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)
+
+    items.sort(key=weight)  # stable: each file keeps its own order

@@ -111,3 +111,19 @@ def test_vllm_calls_take_what_the_engine_passes():
     assert "tags" in inspect.signature(LLM.wake_up).parameters
     assert {"method", "kwargs"} <= set(inspect.signature(LLM.collective_rpc).parameters)
     assert "use_local_synchronization" in inspect.signature(torch.distributed.new_group).parameters
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in applies only without CUDA")
+def test_megatron_imports_without_compiling_its_fusions_on_cpu():
+    """compat_megatron part 6: megatron's jit_fuser is a plain decorator on CPU (no dynamo or
+    inductor imported for kernels a CPU run never calls), and torch.compile is torch's again."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; import mugrpo_megatron.learner.learner; "
+            "import megatron.core.jit as j; f = lambda x: x; "
+            "assert j.jit_fuser(f) is f, j.jit_fuser; "
+            "assert torch.compile.__module__.startswith('torch'), torch.compile; "
+            "assert 'torch._inductor' not in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -62,6 +62,14 @@ letting a patch go silently inert.
    ``load_parameter_state_from_fs_model_space`` takes it from there. Written here because no
    megatron-core release has it.
 
+6. **No compiled fusions on CPU** (``_import_megatron``, run when this module is imported, which
+   ``mugrpo_megatron.learner`` does first): megatron-core decorates its fused kernels with
+   ``torch.compile`` at import (``megatron/core/jit.py``: ``jit_fuser = torch.compile``, 0.16.1
+   and 0.19.2), which imports torch's dynamo and inductor (~4 s of every process's start-up
+   here) for kernels a CPU run never calls (the fusions are off without TE: ``model.py``).
+   Without CUDA, megatron-core is imported with ``torch.compile`` standing in as the identity,
+   so ``jit_fuser`` stays a plain decorator; ``torch.compile`` itself is restored at once.
+
 Sequence parallel with megatron's torch norms needs no patch here; the learner tags the norm
 weights ``sequence_parallel`` itself (see ``model.py``).
 """
@@ -75,9 +83,30 @@ import threading
 from collections.abc import Iterator
 
 import torch
-from megatron.core import package_info
 from packaging.version import Version
 from torch.overrides import TorchFunctionMode
+
+
+def _import_megatron() -> None:
+    """Part 6: import megatron-core (once), without compiling its fusions where there is no GPU."""
+    import sys
+
+    if "megatron.core" in sys.modules or torch.cuda.is_available():
+        import megatron.core  # noqa: F401
+        return
+
+    def identity(model=None, **_):
+        return model if model is not None else (lambda fn: fn)
+
+    real, torch.compile = torch.compile, identity
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = real
+
+
+_import_megatron()
+from megatron.core import package_info  # noqa: E402
 
 MEGATRON_VERSION = Version(package_info.__version__.split("+")[0])
 UPSTREAM_SYMBOLS: tuple[str, ...] = (
@@ -91,6 +120,7 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_parameter_state_from_fs_model_space",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._get_main_param_and_optimizer_states",
     "megatron.core.dist_checkpointing.mapping:ShardedTensorFactory",
+    "megatron.core.jit:jit_fuser",
 )
 """``module:attribute`` of every upstream name a part below patches or reads."""
 _STREAM_WAITS_FROM = Version("0.19")

@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state as mpu
 from safetensors.torch import load_file, save_file
 
 from mugrpo_megatron.config_loader import load_config
@@ -86,6 +85,8 @@ def group_timeouts() -> list[float]:
 
 
 def main() -> None:
+    from megatron.core import parallel_state as mpu  # after the learner's own import of it
+
     hf_dir, batch_path, jobs = sys.argv[1], sys.argv[2], json.loads(Path(sys.argv[3]).read_text())
     for job in jobs:
         run_layout(hf_dir, batch_path, Path(job["out"]), job["overrides"], job["offload"])
