@@ -46,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import random_batch, summarize, table, write_json  # noqa: E402
+from device_phase import checkpoint_section, fp8_odd_lengths, transitions_section  # noqa: E402
 
 SIZES = {  # random llama-shaped models
     "tiny": dict(hidden_size=256, ffn_hidden_size=704, num_heads=4, num_kv_heads=2, num_layers=2,
@@ -272,113 +273,6 @@ def engine_section(path: Path, state: dict, args) -> dict:
         raise
     state["engine_obj"] = engine  # the transitions section drives it; main shuts it down
     return out
-
-
-def fp8_odd_lengths(state: dict, args) -> dict:
-    """The FP8 learner on a batch of 1021-token rows (not a multiple of 8 or 16): its log-probs
-    and an update, which Transformer Engine refuses unless the learner pads the tokens."""
-    learner = state["learner"]
-    prompt = args.seq // 4 - 3
-    batch = random_batch(args.samples, prompt, args.seq - prompt - 3, learner.spec.vocab_size)
-    logp, _ = learner.logprobs(batch)
-    step = learner.train_step(batch)
-    return {"seq": int(batch.tokens.shape[1]), "token_multiple": learner.token_multiple,
-            "logp_finite": bool(torch.isfinite(logp).all()), "loss": step.loss,
-            "skipped": step.skipped}
-
-
-def _device_memory() -> dict:
-    if not torch.cuda.is_available():
-        return {}
-    free, total = torch.cuda.mem_get_info()
-    out = {"used_gib": (total - free) / 2**30,
-           "allocator_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-    torch.cuda.reset_peak_memory_stats()
-    return out
-
-
-def transitions_section(path: Path, state: dict, args) -> dict:
-    """Two phases with an evaluation, in the trainer's order: the learner offloaded while the
-    engine starts, generates and evaluates (the engine asleep otherwise), back for the sync and
-    the updates, and a save. Device memory at each, and the dry run's estimate beside it."""
-    from mugrpo_megatron.dryrun import GIB, estimate
-
-    learner, cfg, batch = state["learner"], state["cfg"], state["batch"]
-    engine = state.get("engine_obj")
-    gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB \
-        if torch.cuda.is_available() else 80.0
-    planned = estimate(cfg, learner.spec, 1, gpu_gib=gpu_gib)["transitions"]
-    marks = []
-
-    def mark(name: str, phase: int) -> None:
-        marks.append({"transition": name, "phase": phase, **_device_memory(),
-                      "estimate_gib": planned[name] / GIB})
-
-    with tempfile.TemporaryDirectory() as tmp:
-        from mugrpo_megatron.learner.checkpoint import save_learner
-
-        learner.offload()
-        mark("start", 0)
-        learner.onload()
-        for phase in range(2):
-            if engine is not None:
-                engine.wake(weights_only=True)
-                from mugrpo_megatron.learner.export import iter_hf_tensors
-
-                engine.update_weights(iter_hf_tensors(learner.chunks(), learner.spec,
-                                                      bucket_bytes=256 << 20))
-            mark("sync", phase)
-            learner.offload()
-            for name in ("generate", "evaluate"):
-                if engine is not None:
-                    engine.wake()
-                    from mugrpo_megatron.engines import SamplingSpec
-
-                    engine.generate([list(range(5, 5 + args.seq // 4))] * 4,
-                                    SamplingSpec(n=2, max_new_tokens=args.new_tokens))
-                mark(name, phase)
-                if engine is not None:
-                    engine.sleep()
-            learner.onload()
-            for _ in range(2):
-                learner.train_step(batch)
-            mark("optimize", phase)
-            save_learner(learner, Path(tmp) / "ckpt", {"update": 0, "phase": phase})  # replaced
-            mark("save", phase)
-    return {"marks": marks, "with_engine": engine is not None,
-            "peak_used_gib": max((m.get("used_gib", 0.0) for m in marks), default=0.0)}
-
-
-def checkpoint_section(state: dict) -> dict:
-    """A save and a load of the learner: time, the host memory the save adds, and the weights."""
-    import re
-
-    from mugrpo_megatron.learner.checkpoint import load_learner, save_learner
-    from mugrpo_megatron.learner.export import iter_hf_tensors
-
-    learner = state["learner"]
-
-    def rss(key: str) -> int:
-        return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text())
-                   .group(1)) * 1024
-
-    weights = {n: t.cpu().clone() for n, t in iter_hf_tensors(learner.chunks(), learner.spec)}
-    params = sum(p.numel() for c in learner.chunks() for p in c.parameters())
-    with tempfile.TemporaryDirectory() as tmp:
-        gc.collect()
-        before = rss("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        t0 = time.perf_counter()
-        save_learner(learner, Path(tmp) / "ckpt", {"update": 1, "phase": 0})
-        save_s = time.perf_counter() - t0
-        extra = rss("VmHWM") - before
-        t0 = time.perf_counter()
-        load_learner(learner, Path(tmp) / "ckpt")
-        load_s = time.perf_counter() - t0
-    after = {n: t.cpu() for n, t in iter_hf_tensors(learner.chunks(), learner.spec)}
-    return {"save_s": save_s, "load_s": load_s, "host_extra_gib": extra / 2**30,
-            "own_optimizer_shard_gib": 12 * params / 2**30,
-            "weights_bit_exact": all(torch.equal(weights[n], after[n]) for n in weights)}
 
 
 def run_section(name: str, fn, results: dict) -> None:
