@@ -195,23 +195,32 @@ METRIC_COUNTS: tuple[str, ...] = ("num_tokens", "num_kept_tokens", "num_neg_toke
 """The token and response counts of ``policy_loss``'s metrics, which the means are weighted by."""
 
 
-def metric_sums(parts: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+def metric_sums(parts: list[dict[str, torch.Tensor]],
+                device: torch.device | str = "cpu") -> torch.Tensor:
     """float64 ``[len(METRIC_COUNTS) + len(METRIC_WEIGHTS) + 1]``: each count, each mean times its
     weight, and the loss (when the parts carry one), summed over ``parts``. Sums of several ranks
-    add up (an all-reduce SUM) to the sums of all their parts."""
+    add up (an all-reduce SUM) to the sums of all their parts. Computed where the parts are
+    (``device`` when there are none), without reading any value back to the host: on a GPU the
+    learner reads the update's sums once, not ~15 values per microbatch."""
     names = (*METRIC_COUNTS, *METRIC_WEIGHTS, "loss")
-    out = torch.zeros(len(names), dtype=torch.float64)
-    for p in parts:
-        out += torch.tensor([float(p[c]) for c in METRIC_COUNTS]
-                            + [float(p[n]) * float(p[w]) for n, w in METRIC_WEIGHTS.items()]
-                            + [float(p.get("loss", 0.0))], dtype=torch.float64)
+    if parts:
+        device = parts[0]["num_tokens"].device
+    out = torch.zeros(len(names), dtype=torch.float64, device=device)
+    for p in parts:  # in order, so the sums are the same numbers whatever the device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        out = out + torch.stack([p[c].double() for c in METRIC_COUNTS]
+                                + [p[n].double() * p[w].double()
+                                   for n, w in METRIC_WEIGHTS.items()]
+                                + [p["loss"].double() if "loss" in p else zero])
     return out
 
 
-def metrics_from_sums(sums: torch.Tensor, abs_log_ratio_max: float) -> dict[str, float]:
-    """The metrics of the union of the parts summed in ``sums`` (see ``metric_sums``), and the
-    summed loss: every microbatch's loss is already divided by the minibatch's token count."""
-    sums = sums.tolist()
+def metrics_from_sums(sums: torch.Tensor | list[float], abs_log_ratio_max: float
+                      ) -> dict[str, float]:
+    """The metrics of the union of the parts summed in ``sums`` (see ``metric_sums``; a tensor, or
+    its values already read), and the summed loss: every microbatch's loss is already divided by
+    the minibatch's token count."""
+    sums = sums.tolist() if isinstance(sums, torch.Tensor) else list(sums)
     out = dict(zip(METRIC_COUNTS, sums))
     for j, (name, weight) in enumerate(METRIC_WEIGHTS.items()):
         den = out[weight]

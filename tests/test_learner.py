@@ -153,11 +153,26 @@ def hf_reference(hf_dir, batch_path):
             "grad_norm": norm}
 
 
+HOST_READS = {"logprobs": 4, "train_step": 4, "train_step_dp_local": 4}
+"""The most reads of a tensor's values to the host (each a device synchronisation on a GPU) that
+our code may make in one call, on any rank, whatever the numbers of microbatches, rows and
+parameters: log-probs are read back once a result (log-probs, entropy), an update's metrics and
+gradient check once (two calls: ``.cpu().tolist()``); both may add the packed rows' lengths (a
+host-side tensor) and, with expert parallelism, the DP group's longest row or most packed rows.
+Reading each microbatch's metrics (~15) and each parameter's finiteness was ~100 at 70B."""
+
+
+def check_host_reads(got) -> None:
+    reads = got["host_reads"]
+    assert all(reads[k] <= limit for k, limit in HOST_READS.items()), reads
+
+
 def check_groups_and_gemms(got, multiple: int) -> None:
     """Every process group (torch's, megatron's TP/PP/DP/EP and gloo groups) has the configured
     timeout, and every dense GEMM input meets Transformer Engine's FP8 rule
     (``assert_dim_for_fp8_exec``: leading dimensions' product % 8, last % 16) at the multiple
-    the layout pads to."""
+    the layout pads to; our code reads values back to the host a bounded number of times."""
+    check_host_reads(got)
     assert got["group_timeouts"] == [TIMEOUT_MINUTES], got["group_timeouts"]
     assert got["gemm_inputs"]
     for shape in got["gemm_inputs"]:
@@ -168,6 +183,7 @@ def check_groups_and_gemms(got, multiple: int) -> None:
 def test_tp1_matches_transformers(workdir, family):
     got = run(workdir, family, "tp1")
     assert got["group_timeouts"] == [TIMEOUT_MINUTES], got["group_timeouts"]
+    check_host_reads(got)
     ref = hf_reference(checkpoint(workdir, family), workdir / "batch.safetensors")
     resp = load_file(str(workdir / "batch.safetensors"))["response_mask"].bool()
     assert (got["tensors"]["logits"] - ref["logits"]).abs().max() < 1e-5

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from mugrpo_megatron.objective import (
+    METRIC_COUNTS,
+    METRIC_WEIGHTS,
     VETO_SCOPES,
     combine_metrics,
     group_advantages,
@@ -235,3 +237,23 @@ def test_relaxed_clip_bounds():
         loss, m = policy_loss(logp, behav, torch.tensor([a]), resp, clip_low=1.0, clip_high=4.0)
         assert loss.item() == pytest.approx(want, rel=1e-6)
     assert m["clip_frac"].item() == 0.0
+
+
+def test_metric_sums_are_the_numbers_read_one_by_one():
+    """metric_sums stays on the tensors' device (the learner reads an update's metrics once) and
+    gives bit for bit what reading each value to a Python float and adding them up gave."""
+    logp, behav, adv, resp = random_batch(7, B=12)
+    parts = []
+    for idx in (slice(0, 5), slice(5, 6), slice(6, 12)):
+        loss, m = policy_loss(logp[idx].float(), behav[idx].float(), adv[idx].float(), resp[idx],
+                              clip_low=1.0, clip_high=4.0, veto_threshold=1e-4,
+                              num_tokens=int(resp.sum()))
+        parts.append({**m, "loss": loss.detach()})
+    one_by_one = torch.zeros(len(METRIC_COUNTS) + len(METRIC_WEIGHTS) + 1, dtype=torch.float64)
+    for p in parts:  # the old reads: a float() per value
+        one_by_one += torch.tensor([float(p[c]) for c in METRIC_COUNTS]
+                                   + [float(p[n]) * float(p[w]) for n, w in METRIC_WEIGHTS.items()]
+                                   + [float(p["loss"])], dtype=torch.float64)
+    assert torch.equal(metric_sums(parts), one_by_one)
+    got = metrics_from_sums(metric_sums(parts).tolist(), 0.5)
+    assert got == metrics_from_sums(one_by_one, 0.5)

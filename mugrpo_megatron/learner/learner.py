@@ -158,23 +158,22 @@ class Learner:
             return batch
         return _right_padded(batch, round_up(seq, self.token_multiple))
 
-    def _dp_local_tokens(self, batch: TrainBatch) -> tuple[TrainBatch, int]:
+    def _dp_local_tokens(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor]:
         """For this rank's share of a minibatch: the whole minibatch's response-token count
         (next-aligned), summed over the data-parallel group, and the batch padded to the group's
         longest where expert parallelism needs it (its token dispatch gathers equal-sized
-        activations from the ranks of the expert-parallel group, which span DP ranks). One or two
-        integers cross the group: nothing at any scale."""
-        count = _next_aligned(batch.response_mask.bool()).sum()
+        activations from the ranks of the expert-parallel group, which span DP ranks; packed rows
+        are equal already). One or two integers cross the group: nothing at any scale."""
+        count = _next_aligned(batch.response_mask.bool()).sum().to(_device())
         if self.layout.dp_size == 1:
-            return batch, int(count)
+            return batch, count
         group = mpu.get_data_parallel_group()
-        count = count.to(_device())
-        dist.all_reduce(count, group=group)
-        if self.cfg.parallel.expert > 1:
+        dist.all_reduce(count, group=group)  # stays on the device: the loss divides by it there
+        if self.cfg.parallel.expert > 1 and not self.cfg.parallel.pack_tokens:
             seq = torch.tensor(batch.tokens.shape[1], device=_device())
             dist.all_reduce(seq, op=dist.ReduceOp.MAX, group=group)
-            batch = _right_padded(batch, int(seq))
-        return batch, int(count)
+            batch = _right_padded(batch, int(seq))  # a read, with expert parallelism only
+        return batch, count
 
     def dp_rows(self, num_rows: int) -> slice:
         """The rows of a ``num_rows``-row minibatch that this data-parallel rank trains on: a
@@ -312,10 +311,11 @@ class Learner:
 
         def loss_fn(mb: _MicroBatch, output: torch.Tensor):
             labels = mb.labels.to(output.device)
-            out = {"logp": _per_sequence(mb, self.token_logprobs(output, labels)).cpu(),
+            # kept on the device: the rows are gathered and read back once (``_gather_rows``)
+            out = {"logp": _per_sequence(mb, self.token_logprobs(output, labels)),
                    "rows": mb.rows}
             if with_entropy:
-                out["entropy"] = _per_sequence(mb, self.entropy(output)).cpu()
+                out["entropy"] = _per_sequence(mb, self.entropy(output))
             return output.new_zeros(()), out
 
         for m in self.model:
@@ -330,15 +330,15 @@ class Learner:
         return logp, ent
 
     def _gather_rows(self, results: list[dict], key: str, batch: TokenBatch) -> torch.Tensor:
-        """Next-aligned per-row results of the last stage -> token-aligned [B, S] on every rank."""
-        full = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        """Next-aligned per-row results of the last stage -> token-aligned [B, S] on every rank,
+        assembled on the device and read back to the host once."""
+        full = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=_device())
         if mpu.is_pipeline_last_stage(ignore_virtual=True) and self.layout.tp_rank == 0:
             for r in results:
                 if isinstance(r["rows"], torch.Tensor) and not r["rows"].numel():
                     continue  # a filler microbatch (expert parallelism): no row of the batch
                 width = r[key].shape[1]
-                full[r["rows"], 1:width] = r[key][:, :-1]
-        full = full.to(_device())
+                full[r["rows"], 1:width] = r[key][:, :-1].float()
         dist.all_reduce(full)
         return full.cpu()
 
@@ -355,7 +355,7 @@ class Learner:
         if dp_local:
             batch, num_tokens = self._dp_local_tokens(batch)
         else:
-            num_tokens = int(_next_aligned(batch.response_mask.bool()).sum())
+            num_tokens = _next_aligned(batch.response_mask.bool()).sum().to(_device())
         batch = self._fit_sequence(batch)
         microbatches = self._microbatches(batch, train=True, dp_local=dp_local)
         # megatron divides each microbatch loss by their number and DDP averages over DP ranks;
@@ -376,9 +376,8 @@ class Learner:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         results = self._run(microbatches, loss_fn, forward_only=False)
-        metrics = self._reduce_metrics(results)
+        metrics, bad = self._step_summary(results)
         lr = self.optimizer.param_groups[0]["lr"]
-        bad = self._nonfinite(metrics["loss"])
         if bad:
             for m in self.model:
                 m.zero_grad_buffer()
@@ -395,31 +394,35 @@ class Learner:
         return StepResult(loss=metrics["loss"], grad_norm=float(grad_norm or 0.0), lr=lr,
                           skipped=False, metrics=metrics, seconds=time.perf_counter() - t0)
 
-    def _nonfinite(self, loss: float) -> str:
-        """'' if the loss and every gradient are finite on every rank, else why not."""
-        grads_ok = all(torch.isfinite(p.main_grad).all() for m in self.model
-                       for p in m.parameters() if getattr(p, "main_grad", None) is not None)
-        flags = torch.tensor([0.0 if math.isfinite(loss) else 1.0, 0.0 if grads_ok else 1.0],
-                             device=_device())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0] > 0:
-            return "non-finite loss"
-        if flags[1] > 0:
-            return "non-finite gradient"
-        return ""
-
-    def _reduce_metrics(self, results: list[dict]) -> dict[str, float]:
-        """Combine microbatch metrics of every DP rank as if computed on the whole minibatch:
-        ``objective.metric_sums`` on the ranks that computed the loss (the last pipeline stage,
-        TP rank 0), summed over all ranks, then ``objective.metrics_from_sums``."""
+    def _step_summary(self, results: list[dict]) -> tuple[dict[str, float], str]:
+        """The update's metrics, combined over every microbatch and DP rank as if computed on the
+        whole minibatch, and '' if its loss and every gradient are finite on every rank, else why
+        not. ``objective.metric_sums`` on the ranks that computed the loss (the last pipeline
+        stage, TP rank 0) and each rank's gradient check stay on the device; two all-reduces,
+        then one read to the host: the update's only synchronisation of ours (megatron's
+        gradient clipping reads the grad norm once more). Reading each value as it came was
+        ~15 reads a microbatch and one a parameter: ~100 device syncs an update at 70B."""
         computed = mpu.is_pipeline_last_stage(ignore_virtual=True) and self.layout.tp_rank == 0
-        sums = metric_sums(results if computed else [])
-        peak = torch.tensor([max((float(r["abs_log_ratio_max"]) for r in results), default=0.0)
-                             if computed else 0.0], dtype=torch.float64)
-        sums, peak = sums.to(_device()), peak.to(_device())
+        device = _device()
+        sums = metric_sums(results if computed else [], device).to(device)
+        peak = (torch.stack([r["abs_log_ratio_max"] for r in results]).max().double()
+                if computed and results else torch.zeros((), dtype=torch.float64, device=device))
+        grads = [p.main_grad for m in self.model for p in m.parameters()
+                 if getattr(p, "main_grad", None) is not None]
+        # one small kernel a parameter, no read (megatron's contiguous grad buffers would be
+        # fewer, but they are internals)
+        grads_bad = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).double() \
+            if grads else torch.zeros((), dtype=torch.float64, device=device)
+        maxes = torch.stack([peak.to(device), grads_bad.to(device)])
         dist.all_reduce(sums)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return metrics_from_sums(sums.cpu(), float(peak.cpu()[0]))
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        host = torch.cat([sums, maxes]).cpu().tolist()  # the one read
+        metrics = metrics_from_sums(host[:-2], host[-2])
+        if not math.isfinite(metrics["loss"]):  # the whole minibatch's loss, on every rank
+            return metrics, "non-finite loss"
+        if host[-1] > 0:
+            return metrics, "non-finite gradient"
+        return metrics, ""
 
     # ------------------------------------------------------------------ memory
 

@@ -120,4 +120,4 @@ def sequence_lengths(response_mask: torch.Tensor) -> list[int]:
     seq = response_mask.shape[1]
     idx = torch.arange(1, seq + 1).expand_as(response_mask)
     last = torch.where(response_mask.bool(), idx, torch.zeros_like(idx)).amax(dim=1)
-    return [int(n) if n > 0 else seq for n in last]
+    return [n if n > 0 else seq for n in last.tolist()]  # one read, not two a row

@@ -12,8 +12,9 @@ log-probs after, logits at TP1), weights.safetensors and grads.safetensors (HF-n
 first update) and result.json (the step results). The last update takes only this data-parallel
 rank's rows (``train_step(dp_local=True)``, as the trainer gives them). With "offload" the learner
 is offloaded to the host and back before it. result.json also records the input shape of every
-dense GEMM (the layers that are Transformer Engine's FP8 GEMMs on a GPU) and the timeout of every
-process group, as this rank saw them.
+dense GEMM (the layers that are Transformer Engine's FP8 GEMMs on a GPU), the timeout of every
+process group, as this rank saw them, and the most reads of a tensor's values to the host that
+our code made in one call of logprobs and train_step on any rank (``HostReads``).
 """
 
 import gc
@@ -29,6 +30,40 @@ from mugrpo_megatron.learner.compat_megatron import inner_optimizers, megatron_o
 from mugrpo_megatron.learner.export import iter_hf_tensors
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.types import TokenBatch, TrainBatch
+
+PACKAGE = str(Path(__file__).resolve().parents[2] / "mugrpo_megatron")
+TORCH = str(Path(torch.__file__).parent)
+READS = {"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__"}
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that read a tensor's values to the host (on a GPU each is a device
+    synchronisation), made directly by our package's code (``ours``) or by others (``theirs``,
+    megatron's); on CPU they cost nothing, but the count is the same as on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.ours = self.theirs = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in READS:
+            frame = sys._getframe(1)
+            while frame is not None and (frame.f_code.co_filename.startswith(TORCH)
+                                         or frame.f_code.co_name == "__torch_function__"):
+                frame = frame.f_back  # past torch and other modes (compat_megatron's CPU one)
+            if frame is not None and frame.f_code.co_filename.startswith(PACKAGE):
+                self.ours += 1
+            else:
+                self.theirs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted(reads: dict, name: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, with the host reads of our code it made added to ``reads``."""
+    with HostReads() as mode:
+        out = fn(*args, **kwargs)
+    reads[name] = mode.ours
+    return out
 
 
 def hf_state(learner, **kw):
@@ -108,9 +143,11 @@ def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
         with torch.no_grad(), megatron_on_cpu():
             logits = learner.chunks()[0](batch.tokens, pos, None)
             tensors["logits"] = logits[..., :learner.spec.vocab_size].contiguous()
-    tensors["logp0"], tensors["entropy"] = learner.logprobs(
-        TokenBatch(batch.tokens, batch.response_mask), with_entropy=True)
-    steps = [learner.train_step(batch)]
+    reads: dict[str, int] = {}
+    tensors["logp0"], tensors["entropy"] = counted(
+        reads, "logprobs", learner.logprobs, TokenBatch(batch.tokens, batch.response_mask),
+        with_entropy=True)
+    steps = [counted(reads, "train_step", learner.train_step, batch)]
     grads = hf_state(learner, tensor_of=lambda p: p.main_grad)
     before = hf_state(learner)
     checksum = optimizer_checksum(learner)
@@ -129,7 +166,10 @@ def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
         offload.update(resident_after=learner.resident_bytes(), restored=in_stats.bytes_freed)
     # the last update as the trainer gives it: only this data-parallel rank's rows, padded to
     # their own longest plus a few columns a rank (so DP ranks differ in length, as shards do)
-    steps.append(learner.train_step(dp_share(learner, batch), dp_local=True))
+    steps.append(counted(reads, "train_step_dp_local", learner.train_step,
+                         dp_share(learner, batch), dp_local=True))
+    every_rank: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every_rank, reads)
     tensors["logp1"], _ = learner.logprobs(TokenBatch(batch.tokens, batch.response_mask))
     # an odd length (sequence parallel pads it to a multiple of TP and crops the answer)
     tensors["logp_odd"], _ = learner.logprobs(TokenBatch(batch.tokens[:, :-1],
@@ -145,6 +185,7 @@ def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
             "num_updates": learner.num_updates, "offload": offload,
             "gemm_inputs": sorted(gemm_inputs), "token_multiple": learner.token_multiple,
             "group_timeouts": group_timeouts(),
+            "host_reads": {k: max(r[k] for r in every_rank) for k in reads},
             "steps": [{"loss": s.loss, "grad_norm": s.grad_norm, "skipped": s.skipped,
                        "reason": s.reason, "lr": s.lr, "metrics": s.metrics} for s in steps]}))
     torch.distributed.barrier()
