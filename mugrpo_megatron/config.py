@@ -50,8 +50,15 @@ class ModelConfig(_Section):
     None trains without FP8. Needs TE and a GPU with FP8 support (Hopper or newer)."""
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
     """FP8 scaling recipe passed to megatron-core; 'blockwise' and 'mxfp8' need a recent TE."""
-    recompute_activations: bool = False
-    """Recompute each transformer layer's activations in the backward pass (saves memory)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """What the backward pass recomputes instead of keeping it from the forward pass
+    (megatron-core's activation recomputation). 'none': keep every layer's activations
+    (fastest). 'selective': recompute core attention: saves its seq^2 scores where attention is
+    not a flash kernel (CPU); with Transformer Engine's flash attention (GPUs) it saves nothing
+    and costs a little. 'full': keep only each layer's input and recompute the layer in the
+    backward pass: ~2 bytes x tokens x hidden a layer instead of ~34 (divided by TP with
+    sequence parallel), for about a third more compute per update. ``train --dry-run``
+    estimates the optimizer's memory with each and names the cheapest that fits."""
 
     def __post_init__(self) -> None:
         if self.fp8_format is not None and self.dtype == "float32":

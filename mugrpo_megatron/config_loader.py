@@ -69,6 +69,11 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node[leaf] = value
 
 
+RENAMED = {"model.recompute_activations": "model.recompute: none, selective or full (true was "
+                                          "full, false none)"}
+"""Keys of earlier releases, and what a config now says instead."""
+
+
 def from_dict(cls: type, raw: Any, prefix: str) -> Any:
     """Build dataclass ``cls`` from a mapping, checking keys and types; errors name the dotted key."""
     where = prefix.rstrip(".") or "config"
@@ -78,6 +83,8 @@ def from_dict(cls: type, raw: Any, prefix: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
+        if f"{prefix}{key}" in RENAMED:
+            raise ValueError(f"{prefix}{key}: replaced by {RENAMED[f'{prefix}{key}']}")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else f"; known keys: {', '.join(names)}"

@@ -11,9 +11,11 @@ rank holds:
   moves it to host memory while the engine generates.
 - activations: Korthikanti et al. (2022), 34*s*b*h bytes per layer and microbatch, divided by TP
   with sequence parallel (10 of the 34 stay replicated without it), with flash attention (no
-  s^2 term); with full recomputation 2*s*b*h per layer plus one layer recomputed; the first
-  pipeline stage holds up to PP microbatches in flight under 1F1B; plus the fp32 logits of one
-  microbatch and their gradient.
+  s^2 term, so selective recomputation, which recomputes only that part, saves nothing); with
+  full recomputation each layer keeps its input, 2*s*b*h (divided by TP with sequence parallel),
+  and one layer's activations exist at a time in the backward pass; the first pipeline stage
+  holds up to PP microbatches in flight under 1F1B; plus the fp32 logits of one microbatch and
+  their gradient. Each ``model.recompute`` is estimated; the cheapest that fits is named.
 - what no offload frees (``RESIDENT``): the CUDA context and library workspaces; NCCL's buffers,
   per communicator the rank uses; with FP8, Transformer Engine's FP8 copy of every GEMM weight and
   its transpose (kept between microbatches and steps, not parameters: 2 bytes a GEMM parameter).
@@ -52,6 +54,24 @@ VLLM_GRAPH_POOL = 2.0 * GIB
 MARGIN = 0.05
 """Fraction of the GPU the largest transition must leave free."""
 TRANSITIONS = ("start", "sync", "generate", "evaluate", "optimize", "save")
+RECOMPUTE_COST = {"none": "fastest", "selective": "+ core attention's forward",
+                  "full": "~1/3 more compute an update"}
+"""``model.recompute``'s choices, cheapest first, with what each adds to an update."""
+
+
+def activation_bytes(cfg: Config, spec: ModelSpec, dp: int, recompute: str) -> tuple[float, int]:
+    """Activation memory of the first pipeline stage during an update with ``recompute``, and the
+    microbatches it holds in flight (1F1B: up to PP)."""
+    p = cfg.parallel
+    s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    b, h, tp = p.micro_batch_size, spec.hidden_size, p.tensor
+    layers_stage = spec.num_layers / p.pipeline
+    in_flight = min(p.pipeline, max(1, cfg.algo.samples_per_update // (dp * b)))
+    full_layer = s * b * h * (34 / tp if p.sequence_parallel or tp == 1 else 24 / tp + 10)
+    if recompute == "full":  # the layers' inputs of every microbatch in flight, one layer's all
+        inputs = 2 * s * b * h / (tp if p.sequence_parallel else 1) * layers_stage
+        return inputs * in_flight + full_layer, in_flight
+    return full_layer * layers_stage * in_flight, in_flight  # selective: no s^2 term to drop
 
 
 def _communicators(cfg: Config, dp: int) -> int:
@@ -99,16 +119,8 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
     state = params_b + grads_b + optim_b
 
     s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    b = p.micro_batch_size
-    layers_stage = spec.num_layers / p.pipeline
-    full_layer = s * b * h * (34 / tp if p.sequence_parallel or tp == 1 else 24 / tp + 10)
-    if cfg.model.recompute_activations:
-        act = 2 * s * b * h * layers_stage + full_layer
-    else:
-        act = full_layer * layers_stage
-    in_flight = min(p.pipeline, max(1, cfg.algo.samples_per_update // (dp * b)))
-    act *= in_flight
-    logits = 2 * s * b * vocab_rows * 4
+    act, in_flight = activation_bytes(cfg, spec, dp, cfg.model.recompute)
+    logits = 2 * s * p.micro_batch_size * vocab_rows * 4
 
     # not freed by any offload: the process, NCCL, and FP8's weight caches (the GEMM weights)
     fp8_cache = 2 * (layers_params + expert_params) if cfg.model.fp8_format else 0.0
@@ -135,6 +147,13 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
         "save": resident + state + engine_asleep,
     }
     peak_name = max(transitions, key=transitions.get)
+    margin = MARGIN * gpu_gib * GIB
+    # the run's peak with each recomputation choice (only the optimizer's transition changes)
+    peak_by_recompute = {
+        choice: max(*(v for k, v in transitions.items() if k != "optimize"),
+                    transitions["optimize"] - act + activation_bytes(cfg, spec, dp, choice)[0])
+        for choice in RECOMPUTE_COST}
+    fitting = [c for c, v in peak_by_recompute.items() if v + margin <= gpu_gib * GIB]
     ranks = gpus_per_node or world_size
     host_per_rank = (params_b + optim_b if offloaded else 0.0) + engine_weights
     return {
@@ -146,7 +165,9 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
         "engine_weights": engine_weights, "kv_cache": kv, "kv_tokens": kv / kv_per_token,
         "engine": engine_awake, "engine_graphs": graphs, "offloaded": offloaded,
         "transitions": transitions, "peak_transition": peak_name,
-        "peak": transitions[peak_name], "margin": MARGIN * gpu_gib * GIB,
+        "peak": transitions[peak_name], "margin": margin,
+        "peak_by_recompute": peak_by_recompute,
+        "cheapest_recompute": fitting[0] if fitting else None,
         "host_per_node": ranks * host_per_rank, "ranks_per_node": ranks,
         "microbatches_in_flight": in_flight, "seq_len": s,
     }
@@ -200,6 +221,10 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"(a margin of {g(e['margin']).strip()} kept free)",
         f"host memory per node ({e['ranks_per_node']} ranks): {g(e['host_per_node']).strip()} "
         f"(offload pool and the sleeping engine's weights, pinned)",
+        "peak with each model.recompute: " + ", ".join(
+            f"{c} {v / GIB:.1f} GiB ({RECOMPUTE_COST[c]})" for c, v in e["peak_by_recompute"].items())
+        + f"; the cheapest that fits: {e['cheapest_recompute'] or 'none of them'} (this config: "
+          f"{cfg.model.recompute})",
     ]
     if e["peak"] + e["margin"] > gpu_gib * GIB:
         raise ValueError("\n".join(lines) + f"\nthe estimate ({e['peak'] / GIB:.1f} GiB at "

@@ -45,7 +45,7 @@ SAFE_TO_CHANGE = (
     "rollout.weight_bucket_mb", "rollout.mismatch_check_samples", "rollout.shard_prompts",
     "rollout.max_inflight_prompts", "reward.num_workers", "reward.batch_responses",
     "reward.timeout_s", "checkpoint.save_every_updates", "checkpoint.keep_last",
-    "checkpoint.resume", "checkpoint.export_hf", "model.recompute_activations",
+    "checkpoint.resume", "checkpoint.export_hf", "model.recompute",
 )
 """Config keys (or key prefixes) that a resumed run may change: how the work is laid out and
 logged, not what it computes. The distributed optimizer's sharding is checked when a checkpoint

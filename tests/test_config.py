@@ -46,6 +46,9 @@ def test_yaml_and_overrides(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("algo.clip_hgh=4", r"algo\.clip_hgh: unknown key \(did you mean algo\.clip_high\?\)"),
     ("algorithm.mu=4", r"algorithm: unknown key"),
+    ("model.recompute_activations=true",
+     r"model\.recompute_activations: replaced by model\.recompute: none, selective or full"),
+    ("model.recompute=some", r"model\.recompute: must be one of \['none', 'selective', 'full'\]"),
     ("algo.clip_low=1.5", r"algo\.clip_low: must be in \[0, 1\].*got 1\.5"),
     ("algo.clip_high=high", r"algo\.clip_high: must be a number, got 'high'"),
     ("algo.veto_scope=prefix", r"algo\.veto_scope: must be one of .*got 'prefix'"),

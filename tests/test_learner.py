@@ -49,6 +49,10 @@ LAYOUTS = {
     "ep2_distopt": (2, ["parallel.expert=2"]),
     "ep2_distopt_packed": (2, ["parallel.expert=2", "parallel.pack_tokens=40"]),
     "tp2pp2_sp": (4, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"]),
+    # activation recomputation: the same gradients from recomputed activations
+    "pp2_recompute_full": (2, ["parallel.pipeline=2", "model.recompute=full"]),
+    "tp2_sp_recompute_selective": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                                       "model.recompute=selective"]),
 }
 LAYOUTS = {name: (nproc, [*overrides, PAD]) for name, (nproc, overrides) in LAYOUTS.items()}
 FULL = {"llama", "qwen2"}  # every dense layout; the other families at TP2 and PP2

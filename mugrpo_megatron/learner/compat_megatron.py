@@ -25,6 +25,10 @@ letting a patch go silently inert.
      ``optimizer.py`` found-inf and scale buffers, ``clip_grads.py`` norms) -> ``device="cpu"``,
      by a ``TorchFunctionMode`` active only inside the context.
    - ``Tensor.cuda()`` (optimizer state reload) -> the tensor itself.
+   - ``tensor_parallel.random.CheckpointFunction.backward`` (activation recomputation,
+     ``model.recompute`` full or selective) -> the same, with the stand-in below active: the
+     autograd engine runs backward functions without the Python modes of the forward pass, and
+     the recomputed forward makes tensors on ``device="cuda"`` (the causal mask).
    - ``Tensor.type()`` compared with ``'torch.cuda.FloatTensor'`` and friends
      (``optimizer/distrib_optimizer.py``, ``optimizer/optimizer.py``, ``clip_grads.py``) -> the
      CUDA spelling of the CPU tensor's type.
@@ -112,6 +116,7 @@ MEGATRON_VERSION = Version(package_info.__version__.split("+")[0])
 UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+    "megatron.core.tensor_parallel.random:CheckpointFunction.backward",
     "megatron.core.transformer.moe.moe_utils:router_gating_linear",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
     "megatron.core.optimizer:ChainedOptimizer",
@@ -180,16 +185,25 @@ def _patch() -> None:
     }
     if MEGATRON_VERSION >= _STREAM_WAITS_FROM:
         stand_ins[("cuda", "current_stream")] = lambda *a, **k: _CpuStream()
-    owners = {"cuda": torch.cuda, "random": mrandom}
+    recompute = mrandom.CheckpointFunction
+    backward = recompute.__dict__["backward"].__func__  # a staticmethod
+
+    def backward_on_cpu(ctx, *args):
+        with _CudaToCpu():
+            return backward(ctx, *args)
+
+    stand_ins[("checkpoint", "backward")] = staticmethod(backward_on_cpu)
+    owners = {"cuda": torch.cuda, "random": mrandom, "checkpoint": recompute}
     for (owner, name), fn in stand_ins.items():
-        _saved[f"{owner}.{name}"] = getattr(owners[owner], name)
+        _saved[f"{owner}.{name}"] = owners[owner].__dict__[name] if owner == "checkpoint" \
+            else getattr(owners[owner], name)
         setattr(owners[owner], name, fn)
 
 
 def _unpatch() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
-    owners = {"cuda": torch.cuda, "random": mrandom}
+    owners = {"cuda": torch.cuda, "random": mrandom, "checkpoint": mrandom.CheckpointFunction}
     for key, fn in _saved.items():
         owner, name = key.split(".")
         setattr(owners[owner], name, fn)

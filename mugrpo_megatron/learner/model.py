@@ -99,9 +99,11 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         # True even though the checkpoint overwrites the values: megatron only tags TP-sharded
         # weights (tensor_model_parallel, partition_dim) inside its init functions.
         perform_initialization=True,
-        recompute_granularity="full" if model.recompute_activations else None,
-        recompute_method="uniform" if model.recompute_activations else None,
-        recompute_num_layers=1 if model.recompute_activations else None,
+        # full: every layer from its input (uniform, one layer a chunk); selective: megatron's
+        # default module set, core attention
+        recompute_granularity=None if model.recompute == "none" else model.recompute,
+        recompute_method="uniform" if model.recompute == "full" else None,
+        recompute_num_layers=1 if model.recompute == "full" else None,
         window_size=(spec.sliding_window - 1, 0) if spec.sliding_window else None,
         # gloo matches messages between two ranks by order only; with PP=2 a stage's previous and
         # next rank are the same, and a batched send/recv of an activation and a gradient can be
