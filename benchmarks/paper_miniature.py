@@ -252,7 +252,10 @@ def main(argv=None) -> int:
         splits = write_splits(data, seed=0, num_train=8000, num_eval=args.eval_size, num_probe=128)
         import torch
 
-        torch.set_num_threads(2)
+        # --quick runs in the test suite beside another test file: one thread, so that a busy
+        # machine slows it in proportion (two threads stalled on each other's preempted core:
+        # 5x slower beside another process)
+        torch.set_num_threads(1 if args.quick else 2)
         made = work / "policy" / "sft.json"
         if args.work_dir and made.exists():  # a policy this script made before, with this data
             sft_info = json.loads(made.read_text())

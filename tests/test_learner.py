@@ -63,7 +63,8 @@ def layouts_for(family: str) -> list[str]:
     if family in MOE:  # megatron-core needs sequence parallel for MoE with TP > 1
         return ["ep2_distopt", "ep2_distopt_packed", "tp2_sp", "pp2"]
     return [name for name in LAYOUTS if not name.startswith("ep")
-            and (family in FULL or name in ("tp2", "pp2", "tp2_sp"))]
+            and (family in FULL or name in ("tp2", "pp2", "tp2_sp"))
+            and (family == "llama" or "recompute" not in name)]  # recomputation: one family
 
 
 def per_expert(grads: dict, family: str) -> dict:

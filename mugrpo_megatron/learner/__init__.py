@@ -1,9 +1,8 @@
 """The megatron-core learner: model building, parallel layout, log-probs, train step, checkpoints.
 
 megatron.core is imported only under this package (and by nothing outside the learner and the
-resharding in ``export.py``).
+resharding in ``export.py``). Every module here that imports megatron-core imports
+``compat_megatron`` first (its part 6: no compiled fusions on a machine without CUDA); ruff keeps
+that order (``pyproject.toml``, the isort section "megatron-compat"). Modules without megatron
+(``hf_config``, ``fp8``, ``mapping``) stay light: the dry run reads them without importing it.
 """
-
-# megatron-core is imported through its compat module first (part 6 there: no compiled fusions
-# on CPU), whichever learner module is imported
-from mugrpo_megatron.learner import compat_megatron as _compat_megatron  # noqa: F401

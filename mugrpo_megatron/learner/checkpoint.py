@@ -25,13 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from megatron.core import dist_checkpointing
-
-from mugrpo_megatron import outputs
-from mugrpo_megatron.distributed import on_rank0
-from mugrpo_megatron.learner.compat_dcp import verify_checkpoint
 from mugrpo_megatron.learner.compat_megatron import (
     ensure_optimizer_state,
     has_optimizer_state,
@@ -40,6 +33,14 @@ from mugrpo_megatron.learner.compat_megatron import (
     tolerate_missing_step,
     unshare_steps,
 )
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from mugrpo_megatron import outputs
+from mugrpo_megatron.distributed import on_rank0
+from mugrpo_megatron.learner.compat_dcp import verify_checkpoint
 from mugrpo_megatron.learner.export import copy_tokenizer
 
 OPTIMIZER_FORMAT = "fully_sharded_model_space"

@@ -17,6 +17,8 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import mugrpo_megatron.learner.compat_megatron  # noqa: F401 - before megatron-core (its part 6)
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
+from mugrpo_megatron.learner.compat_megatron import megatron_on_cpu
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
@@ -33,7 +35,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from mugrpo_megatron.config import Config
-from mugrpo_megatron.learner.compat_megatron import megatron_on_cpu
 from mugrpo_megatron.learner.fp8 import round_up, token_multiple
 from mugrpo_megatron.learner.hf_config import read_model_spec
 from mugrpo_megatron.learner.model import (

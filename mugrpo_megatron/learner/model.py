@@ -10,6 +10,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from mugrpo_megatron.learner.compat_megatron import (
+    define_missing_te_gemm,
+    groups_time_out_after,
+    megatron_on_cpu,
+)
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,11 +33,6 @@ from safetensors import safe_open
 
 from mugrpo_megatron.config import ModelConfig, ParallelConfig
 from mugrpo_megatron.distributed import init_default_group
-from mugrpo_megatron.learner.compat_megatron import (
-    define_missing_te_gemm,
-    groups_time_out_after,
-    megatron_on_cpu,
-)
 from mugrpo_megatron.learner.fp8 import check_model_dims
 from mugrpo_megatron.learner.hf_config import ModelSpec, gpt_model_kwargs
 from mugrpo_megatron.learner.mapping import map_param, shard_from_hf

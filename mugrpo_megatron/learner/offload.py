@@ -24,9 +24,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-
 from mugrpo_megatron.learner.compat_megatron import inner_optimizers
+
+import torch
 
 
 @dataclass(frozen=True)
