@@ -25,13 +25,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+import mugrpo_megatron
+
 from mugrpo_megatron.config_loader import load_config
 from mugrpo_megatron.learner.compat_megatron import inner_optimizers, megatron_on_cpu
 from mugrpo_megatron.learner.export import iter_hf_tensors
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.types import TokenBatch, TrainBatch
 
-PACKAGE = str(Path(__file__).resolve().parents[2] / "mugrpo_megatron")
+PACKAGE = str(Path(mugrpo_megatron.__file__).parent)  # the package these ranks run
 TORCH = str(Path(torch.__file__).parent)
 READS = {"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__"}
 
