@@ -206,8 +206,8 @@ def metric_sums(parts: list[dict[str, torch.Tensor]],
     if parts:
         device = parts[0]["num_tokens"].device
     out = torch.zeros(len(names), dtype=torch.float64, device=device)
+    zero = torch.zeros((), dtype=torch.float64, device=device)  # a part without a loss
     for p in parts:  # in order, so the sums are the same numbers whatever the device
-        zero = torch.zeros((), dtype=torch.float64, device=device)
         out = out + torch.stack([p[c].double() for c in METRIC_COUNTS]
                                 + [p[n].double() * p[w].double()
                                    for n, w in METRIC_WEIGHTS.items()]

@@ -30,6 +30,9 @@ def test_rows_labels_positions_and_unpacking():
     # the next token never crosses into the next sequence
     assert p.labels[0].tolist() == [6, 7, 0, 9, 0, 2, 3, 4, 5, 0, 0, 0]
     assert p.cu_seqlens().tolist() == [0, 3, 5, 10, 12]
+    # a full row has no padding tail: no sequence of length 0 (TE's THD attention expects the
+    # offsets to rise strictly and end at the row's length)
+    assert pack_row(tokens, [3, 2, 5], capacity=10).cu_seqlens().tolist() == [0, 3, 5, 10]
     # next-aligned values come back per sequence, 0 where the sequence has no next token
     assert p.unpack_values(p.labels).tolist() == [[6, 7, 0, 0, 0], [9, 0, 0, 0, 0], [2, 3, 4, 5, 0]]
 

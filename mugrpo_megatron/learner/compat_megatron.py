@@ -195,8 +195,7 @@ def _patch() -> None:
     stand_ins[("checkpoint", "backward")] = staticmethod(backward_on_cpu)
     owners = {"cuda": torch.cuda, "random": mrandom, "checkpoint": recompute}
     for (owner, name), fn in stand_ins.items():
-        _saved[f"{owner}.{name}"] = owners[owner].__dict__[name] if owner == "checkpoint" \
-            else getattr(owners[owner], name)
+        _saved[f"{owner}.{name}"] = vars(owners[owner])[name]  # as defined: a staticmethod too
         setattr(owners[owner], name, fn)
 
 

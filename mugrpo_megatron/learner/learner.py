@@ -159,13 +159,13 @@ class Learner:
             return batch
         return _right_padded(batch, round_up(seq, self.token_multiple))
 
-    def _dp_local_tokens(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor]:
-        """For this rank's share of a minibatch: the whole minibatch's response-token count
-        (next-aligned), summed over the data-parallel group, and the batch padded to the group's
+    def _dp_local_tokens(self, batch: TrainBatch, count: torch.Tensor
+                         ) -> tuple[TrainBatch, torch.Tensor]:
+        """For this rank's share of a minibatch and its response-token ``count``: the whole
+        minibatch's count, summed over the data-parallel group, and the batch padded to the group's
         longest where expert parallelism needs it (its token dispatch gathers equal-sized
         activations from the ranks of the expert-parallel group, which span DP ranks; packed rows
         are equal already). One or two integers cross the group: nothing at any scale."""
-        count = _next_aligned(batch.response_mask.bool()).sum().to(_device())
         if self.layout.dp_size == 1:
             return batch, count
         group = mpu.get_data_parallel_group()
@@ -332,7 +332,10 @@ class Learner:
 
     def _gather_rows(self, results: list[dict], key: str, batch: TokenBatch) -> torch.Tensor:
         """Next-aligned per-row results of the last stage -> token-aligned [B, S] on every rank,
-        assembled on the device and read back to the host once."""
+        assembled on the device and read back to the host once. Device memory: 4 bytes a token
+        of the batch for ``full``, beside the microbatches' results (as much again) until it
+        returns; the callers score batches (a minibatch, the mismatch check's rows), never a
+        phase at once."""
         full = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=_device())
         if mpu.is_pipeline_last_stage(ignore_virtual=True) and self.layout.tp_rank == 0:
             for r in results:
@@ -353,10 +356,9 @@ class Learner:
         a = self.cfg.algo
         # The global count of response tokens (next-aligned, before the veto): every microbatch's
         # loss is divided by it, so the update does not depend on the layout or the split.
+        num_tokens = _next_aligned(batch.response_mask.bool()).sum().to(_device())
         if dp_local:
-            batch, num_tokens = self._dp_local_tokens(batch)
-        else:
-            num_tokens = _next_aligned(batch.response_mask.bool()).sum().to(_device())
+            batch, num_tokens = self._dp_local_tokens(batch, num_tokens)
         batch = self._fit_sequence(batch)
         microbatches = self._microbatches(batch, train=True, dp_local=dp_local)
         # megatron divides each microbatch loss by their number and DDP averages over DP ranks;
@@ -405,7 +407,7 @@ class Learner:
         ~15 reads a microbatch and one a parameter: ~100 device syncs an update at 70B."""
         computed = mpu.is_pipeline_last_stage(ignore_virtual=True) and self.layout.tp_rank == 0
         device = _device()
-        sums = metric_sums(results if computed else [], device).to(device)
+        sums = metric_sums(results if computed else [], device)
         peak = (torch.stack([r["abs_log_ratio_max"] for r in results]).max().double()
                 if computed and results else torch.zeros((), dtype=torch.float64, device=device))
         grads = [p.main_grad for m in self.model for p in m.parameters()
@@ -414,7 +416,7 @@ class Learner:
         # fewer, but they are internals)
         grads_bad = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).double() \
             if grads else torch.zeros((), dtype=torch.float64, device=device)
-        maxes = torch.stack([peak.to(device), grads_bad.to(device)])
+        maxes = torch.stack([peak, grads_bad])
         dist.all_reduce(sums)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         host = torch.cat([sums, maxes]).cpu().tolist()  # the one read

@@ -40,12 +40,12 @@ READS = {"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "
 
 class HostReads(torch.overrides.TorchFunctionMode):
     """Counts the calls that read a tensor's values to the host (on a GPU each is a device
-    synchronisation), made directly by our package's code (``ours``) or by others (``theirs``,
-    megatron's); on CPU they cost nothing, but the count is the same as on a GPU."""
+    synchronisation) made directly by our package's code (megatron's own are not counted); on
+    CPU they cost nothing, but the count is the same as on a GPU."""
 
     def __init__(self):
         super().__init__()
-        self.ours = self.theirs = 0
+        self.ours = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") in READS:
@@ -55,8 +55,6 @@ class HostReads(torch.overrides.TorchFunctionMode):
                 frame = frame.f_back  # past torch and other modes (compat_megatron's CPU one)
             if frame is not None and frame.f_code.co_filename.startswith(PACKAGE):
                 self.ours += 1
-            else:
-                self.theirs += 1
         return func(*args, **(kwargs or {}))
 
 
