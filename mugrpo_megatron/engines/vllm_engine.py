@@ -32,6 +32,7 @@ from mugrpo_megatron.engines.compat_vllm import (
     external_request_id,
     finished_requests,
     group_timeout_kwargs,
+    launcher_env_kept,
     learner_world_kept,
     quiet_expected_reload_warnings,
     refresh_tied_lm_head,
@@ -71,7 +72,7 @@ class VLLMEngine(RolloutEngine):
             # CPU generator cannot do ("CPU Generator does not use offset"): prefill whole prompts.
             kwargs.update(enable_chunked_prefill=False)
         self._spmd = spmd
-        with learner_world_kept(private=not spmd), torch_state_kept():
+        with learner_world_kept(private=not spmd), torch_state_kept(), launcher_env_kept():
             self.llm = LLM(**kwargs)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self._broken = ""

@@ -1,13 +1,18 @@
 """Runs under torchrun: the learner in some layout resharding into the rollout engines (one per
 rank's replica with placement spmd, or one on rank 0).
 
-python -m torch.distributed.run --nproc_per_node N tests/dist/engine_worker.py HF_DIR OUT KEY=VALUE...
+python -m torch.distributed.run --nproc_per_node N tests/dist/engine_worker.py JOBS.json
 
-Measures the train/inference log-prob gap on the engine's own samples before and after a training
-step, after deliberately wrong weight layouts, and compares greedy outputs with transformers on the
-exported HF checkpoint. Rank 0 writes OUT/result.json.
+JOBS.json: a list of jobs, each {"hf": HF_DIR, "out": OUT, "overrides": [KEY=VALUE, ...],
+"bucket_bytes": int or null, "dummy_engine": bool}, run one after another in this launch (the
+imports and the launch are most of a job's cost on CPU): each builds its learner and engines,
+measures, and shuts both down again. For each, it measures the train/inference log-prob gap on
+the engine's own samples before and after a training step, after deliberately wrong weight
+layouts, and compares greedy outputs with transformers on the exported HF checkpoint. Rank 0
+writes OUT/result.json.
 """
 
+import gc
 import json
 import os
 import sys
@@ -42,25 +47,40 @@ def corrupt(stream, how, spec):
 
 
 def main() -> None:
-    hf_dir, out = sys.argv[1], Path(sys.argv[2])
+    from megatron.core import parallel_state as mpu  # after the learner's own import of it
+
+    launcher = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's, before any engine started
+    for job in json.loads(Path(sys.argv[1]).read_text()):
+        run_contract(job["hf"], Path(job["out"]), job["overrides"], job.get("bucket_bytes"),
+                     job.get("dummy_engine", False), launcher)
+        gc.collect()
+        mpu.destroy_model_parallel()  # the next job makes its own groups
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_contract(hf_dir: str, out: Path, overrides: list[str], bucket_bytes: int | None,
+                 dummy_engine: bool, launcher_local_world: str | None) -> None:
     cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32",
                              "algo.samples_per_update=8", "algo.total_updates=8",
-                             "algo.updates_per_phase=4", "optim.lr=1e-2", *sys.argv[3:]])
+                             "algo.updates_per_phase=4", "optim.lr=1e-2", *overrides])
     learner = Learner(cfg)
     rank0 = dist.get_rank() == 0
-    # TEST_DUMMY_ENGINE=1: the engines start as the trainer starts them, with placeholder
-    # weights, and the first sync below supplies every weight
+    # dummy_engine: the engines start as the trainer starts them, with placeholder weights, and
+    # the first sync below supplies every weight
     engines = EngineFleet.start(cfg.rollout, hf_dir, dtype="float32", max_model_len=128,
-                                load_weights=os.environ.get("TEST_DUMMY_ENGINE") != "1",
+                                load_weights=not dummy_engine,
                                 timeout_minutes=cfg.parallel.timeout_minutes)
     # tests pass a bucket smaller than the largest tensor to check that such a tensor travels alone
-    bucket = int(os.environ.get("TEST_BUCKET_BYTES", cfg.rollout.weight_bucket_mb << 20))
+    bucket = bucket_bytes or cfg.rollout.weight_bucket_mb << 20
     llm = getattr(engines.engine, "llm", None)  # vLLM: what it was told to load
     result: dict = {"engine": cfg.rollout.engine, "gaps": {}, "sync": [],
                     "load_format": str(llm.llm_engine.vllm_config.load_config.load_format)
                     if llm is not None else None,
                     "replicas": engines.num_replicas,
-                    "describe": engines.describe()}
+                    "describe": engines.describe(),
+                    # what placement reads, as torchrun set it and after the engines started
+                    "local_world_size": [launcher_local_world, os.environ.get("LOCAL_WORLD_SIZE")]}
 
     def sync(how=None):
         stream = iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=bucket)
@@ -138,7 +158,6 @@ def main() -> None:
         (out / "result.json").write_text(json.dumps(result, indent=1))
     engines.shutdown()
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
