@@ -52,7 +52,7 @@ def test_paper_miniature_quick_mode_has_a_learning_signal(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/paper_miniature.py", "--quick",
                            "--out", str(out), "--work-dir", str(tmp_path / "work")], cwd=ROOT,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True,
-                          text=True, timeout=1800)  # ~3 min alone, ~6 beside another file
+                          text=True, timeout=900)  # ~1 min alone, ~3 beside another file
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "starting from the SFT policy in" in proc.stdout
     r = json.loads(out.read_text())
