@@ -19,8 +19,8 @@
 ``--quick`` runs only Mu-GRPO, with two seeds and one phase, from the SFT policy committed in
 ``benchmarks/miniature_policy`` (made by the last command: 1,000 SFT steps, 3 minutes on two
 threads and over 10 on one beside another test, which the suite would otherwise spend at every
-run; 1.5 MB), and exits non-zero unless the initial held-out pass
-rate is in [0.2, 0.6] and Mu-GRPO improves it by more than the spread of its two seeds. A policy
+run; 1.5 MB), and exits non-zero unless the initial held-out pass rate is in [0.2, 0.6] and
+Mu-GRPO improves it by more than the spread of its two seeds. A policy
 records a fingerprint of what made it (the task's and the SFT's code, the split sizes and the
 target); one whose fingerprint differs from this script's is refused, with the command that makes
 it again.

@@ -84,9 +84,8 @@ def run(workdir, engine, name):
     if not (out / "result.json").exists():
         ranks = todo[name]["ranks"]
         batch = [n for n, job in todo.items() if job["ranks"] == ranks
-                 and not (workdir / f"{engine}_{n}" / "result.json").exists()]
-        if engine != "vllm":
-            batch = [name]
+                 and not (workdir / f"{engine}_{n}" / "result.json").exists()] \
+            if engine == "vllm" else [name]
         spec = workdir / f"{engine}_{ranks}_jobs.json"
         spec.write_text(json.dumps([
             {"hf": str(checkpoint(workdir, todo[n]["model"])), "out": str(workdir / f"{engine}_{n}"),
