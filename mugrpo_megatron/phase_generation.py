@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -93,7 +94,7 @@ class ShardWriter:
     """On a replica's leader: decode finished groups, keep them compact, queue them for scoring,
     and write each shard once its scores are in."""
 
-    def __init__(self, directory: Path, scorer: RewardScorer, tokenizer, prompts: list[Prompt],
+    def __init__(self, directory: Path, scorer: RewardScorer, tokenizer, prompts: Sequence[Prompt],
                  prompt_indices: tuple[int, ...], shard_prompts: int, counts: ReplicaCounts):
         self.directory = directory
         self.scorer = scorer

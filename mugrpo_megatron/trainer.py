@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.config_loader import to_dict
 from mugrpo_megatron.data import load_prompts
+from mugrpo_megatron.data.prompt_store import open_prompt_set
 from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.engines.fleet import EngineFleet
 from mugrpo_megatron.evaluation import eval_sampling, score_eval
@@ -78,11 +79,15 @@ class Trainer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(
             cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-        self.prompts, report = load_prompts(cfg.data, self.tokenizer)
-        self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer, held_out=True)
-        self.schedule = PhaseScheduler(cfg.algo, cfg.rollout.group_size, len(self.prompts))
         self.log = MetricsLogger(cfg.logging, self.run_dir, self.rank0, to_dict(cfg))
         self.progress = Progress(enabled=self.rank0 and cfg.logging.progress)
+        # tokenized once, by rank 0, into the run directory; every rank reads prompts from it as
+        # a phase needs them (collective)
+        self.prompts = open_prompt_set(cfg, self.run_dir, self.tokenizer,
+                                       note=self.progress.note, bar=self.progress.bar)
+        report = self.prompts.report
+        self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer, held_out=True)
+        self.schedule = PhaseScheduler(cfg.algo, cfg.rollout.group_size, len(self.prompts))
         off = cfg.parallel.offload_learner
         self.offload = off == "always" or (off == "auto" and torch.cuda.is_available())
         if self.rank0:
@@ -223,7 +228,7 @@ class Trainer:
                 f"phase {phase.index} generate (replica {self.engines.replica} of "
                 f"{self.engines.num_replicas})", total=len(mine))
             stream = self.engines.engine.generate_stream(
-                [self.prompts[phase.prompt_indices[p]].token_ids for p in mine],
+                self.prompts.ids_view([phase.prompt_indices[p] for p in mine]),
                 sampling_for_phase(r, phase.index), positions=mine.tolist(),
                 max_in_flight=r.max_inflight_prompts or
                 (0 if self.engines.engine.streams else r.shard_prompts))
@@ -369,6 +374,7 @@ class Trainer:
         if self.scorer is not None:
             self.scorer.close()
         self.engines.shutdown()
+        self.prompts.close()
         self.log.close()
 
     # ---------------------------------------------------------------- helpers

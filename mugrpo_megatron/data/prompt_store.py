@@ -1,0 +1,274 @@
+"""The training prompts as one columnar file in the run directory: tokenized once, by rank 0, and
+read by every rank a prompt at a time.
+
+::
+
+    run_dir/prompts/train_<key>.arrow   Arrow IPC, uncompressed, one record batch per chunk of
+                                        ``data.CHUNK_ROWS`` rows read: source row (int64), prompt
+                                        text, gold answer, token ids (list<int32>: offsets, flat
+                                        values)
+    run_dir/prompts/train_<key>.json    written last: the prompt count and the load report (rows
+                                        read, skipped and why); its presence means the file is
+                                        complete
+
+``key`` hashes what the token ids depend on (``prompt_key``): every ``data.`` key of the run's
+fingerprint (file, fields, template, chat template, limits, the data file's content hash), the
+model directory's config and tokenizer files' content hashes, and this format's version. A
+resumed run finds its file and reuses it; any change that would change a token is another file.
+
+Who does what (``open_prompt_set``, collective): rank 0 reads the data set as a stream, checks,
+tokenizes and writes it a chunk at a time, with progress; the other ranks wait in one collective,
+which also carries rank 0's error (a bad row, a missing column) to every rank. Then every rank
+opens the file: it reads the footer and each batch's header (where each column's buffers are)
+and nothing per prompt (a prompt's batch is found by bisection). A prompt is read with ``pread``
+through the page cache (one read of 8 bytes and one of its tokens for its token ids, seven
+reads for the whole prompt), so a rank's memory does not grow with the prompt set, nor as the
+phases read their way through it; a map would (each page fault maps the pages around it, as
+``phase_store`` measured for shards).
+
+What grows with what, at 10^6 prompts of 300 tokens: on disk ~1.2 GB of token ids plus the texts
+and answers, once per run directory; in each rank ~100 bytes a batch (245 batches); at start-up,
+rank 0's time to tokenize (the other 63 ranks tokenize nothing) and on rank 0 one chunk of
+prompts as Python objects (4096 x 300 tokens: ~45 MB). Before, every rank tokenized the whole
+set and held every prompt as a tuple of Python ints (~36 bytes a token: 10.8 GB a rank here,
+2.7 GB at 2.5 x 10^5 prompts).
+The held-out set (``data.eval_size`` prompts) stays a list (``load_prompts``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from mugrpo_megatron import outputs
+from mugrpo_megatron.config import Config
+from mugrpo_megatron.data import CHUNK_ROWS, PromptChunk, Tokenizer, iter_prompt_chunks
+from mugrpo_megatron.distributed import on_rank0, world
+from mugrpo_megatron.types import LoadReport, Prompt
+
+FORMAT_VERSION = 1
+SCHEMA = pa.schema([("row", pa.int64()), ("text", pa.string()), ("answer", pa.string()),
+                    ("token_ids", pa.list_(pa.int32()))])
+
+
+def prompt_key(cfg: Config) -> str:
+    """16 hex digits naming what the prompt file's contents depend on (see the module
+    docstring); the run fingerprint's data and model parts, so one definition serves both."""
+    from mugrpo_megatron.run_dir import fingerprint
+
+    fp = fingerprint(cfg)
+    parts = {k: v for k, v in fp.items()
+             if k.startswith("data.") and not k.startswith("data.eval")}
+    parts.update({"model.files_sha256": fp["model.files_sha256"],
+                  "model.trust_remote_code": cfg.model.trust_remote_code,
+                  "format": FORMAT_VERSION})
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prompt_paths(run_dir: Path, key: str) -> tuple[Path, Path]:
+    """The prompt file and its completion record."""
+    base = run_dir / "prompts" / f"train_{key}"
+    return base.with_suffix(".arrow"), base.with_suffix(".json")
+
+
+def open_prompt_set(cfg: Config, run_dir: Path, tokenizer: Tokenizer,
+                    note: Callable[[str], None] = lambda _: None, bar=None) -> PromptSet:
+    """The run's training prompts (collective: every rank calls it): rank 0 tokenizes the data
+    set into the run directory unless a complete file for this data and tokenizer is there
+    already; every rank then opens it. ``note`` and ``bar(desc, total)`` report on rank 0."""
+    key = prompt_key(cfg) if world()[0] == 0 else ""
+    path, done = prompt_paths(run_dir, key)
+
+    def build() -> str:
+        if done.is_file():
+            note(f"prompts: reusing {path}")
+        else:
+            write_prompt_file(cfg, tokenizer, path, done, bar)
+        return str(path)
+
+    on_rank0(build)
+    if world()[1] > 1:  # rank 0's path (its key) to every rank
+        import torch.distributed as dist
+
+        box = [str(path)]
+        dist.broadcast_object_list(box, src=0)
+        path = Path(box[0])
+    return PromptSet(path)
+
+
+def write_prompt_file(cfg: Config, tokenizer: Tokenizer, path: Path, done: Path, bar=None,
+                      chunk_rows: int = CHUNK_ROWS) -> LoadReport:
+    """Stream the training set through ``iter_prompt_chunks`` into ``path``, one record batch a
+    chunk of ``chunk_rows`` rows read (written beside it, fsynced, renamed), then ``done``. Holds
+    one chunk of prompts at a time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    report = LoadReport(source="(none)")
+    progress = bar("tokenizing the training prompts", None) if bar is not None else None
+    kept = 0
+    try:
+        with outputs.guard(path, "prompt set", kept=outputs.KEPT, then=outputs.RESUME):
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
+                for chunk in iter_prompt_chunks(cfg.data, tokenizer, report,
+                                                chunk_rows=chunk_rows):
+                    if len(chunk):
+                        writer.write_batch(_record_batch(chunk))
+                    kept += len(chunk)
+                    if progress is not None:
+                        progress.update(len(chunk))
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            outputs.write_file(done, json.dumps({"num_prompts": kept, "report": asdict(report)},
+                                                indent=1))
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a bad row or a full disk: no half-written file stays
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
+    return report
+
+
+def _record_batch(c: PromptChunk) -> pa.RecordBatch:
+    ids = c.token_ids
+    offsets = np.zeros(len(ids) + 1, dtype=np.int32)
+    np.cumsum([len(x) for x in ids], out=offsets[1:])
+    values = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(offsets[-1]))
+    return pa.record_batch([
+        pa.array(c.rows, pa.int64()), pa.array(c.texts, pa.string()),
+        pa.array(c.answers, pa.string()),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32()))], schema=SCHEMA)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Where one record batch's buffers are in the file (byte positions)."""
+
+    first: int
+    """The batch's first prompt."""
+    row: int
+    text_offsets: int
+    text: int
+    answer_offsets: int
+    answer: int
+    ids_offsets: int
+    ids: int
+
+
+class PromptSet(Sequence[Prompt]):
+    """The training prompts of a prompt file, read one at a time (``pread``). Indexes are kept
+    prompts, 0-based, as the scheduler draws them; ``Prompt.index`` is the source row."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            meta = json.loads(self.path.with_suffix(".json").read_text())
+            self.report = LoadReport(**meta["report"])
+            self._len = int(meta["num_prompts"])
+            self._batches = _locate_batches(self.path, self._len)
+            self._firsts = [b.first for b in self._batches]
+        except (OSError, ValueError, KeyError, TypeError, pa.ArrowInvalid) as e:
+            raise ValueError(f"{self.path}: not a complete prompt file of this version ({e}); "
+                             f"delete it and its .json to tokenize the data set again") from e
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _where(self, i: int) -> tuple[_Batch, int]:
+        if not 0 <= i < self._len:
+            raise IndexError(f"prompt {i} of {self._len}")
+        batch = self._batches[bisect.bisect_right(self._firsts, i) - 1]
+        return batch, i - batch.first
+
+    def _span(self, offsets_at: int, r: int) -> tuple[int, int]:
+        return struct.unpack("<2i", os.pread(self._fd, 8, offsets_at + 4 * r))
+
+    def _bytes(self, offsets_at: int, data_at: int, r: int, width: int) -> bytes:
+        a, b = self._span(offsets_at, r)
+        return os.pread(self._fd, (b - a) * width, data_at + a * width)
+
+    def token_ids(self, i: int) -> np.ndarray:
+        """Prompt ``i``'s token ids (int32), read from the file."""
+        batch, r = self._where(i)
+        return np.frombuffer(self._bytes(batch.ids_offsets, batch.ids, r, 4), dtype=np.int32)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._len))]
+        batch, r = self._where(int(i))
+        (row,) = struct.unpack("<q", os.pread(self._fd, 8, batch.row + 8 * r))
+        return Prompt(index=row,
+                      text=self._bytes(batch.text_offsets, batch.text, r, 1).decode("utf-8"),
+                      answer=self._bytes(batch.answer_offsets, batch.answer, r, 1).decode("utf-8"),
+                      token_ids=tuple(self.token_ids(int(i)).tolist()))
+
+    def __iter__(self) -> Iterator[Prompt]:
+        return (self[i] for i in range(self._len))
+
+    def ids_view(self, indices: Sequence[int]) -> Sequence[list[int]]:
+        """The token ids of prompts ``indices``, read when an item is asked for: what an engine
+        streams from, so a replica holds only the prompts in flight, not its share."""
+        return _IdsView(self, indices)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _IdsView(Sequence[list[int]]):
+    def __init__(self, prompts: PromptSet, indices: Sequence[int]):
+        self.prompts, self.indices = prompts, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.prompts.token_ids(int(self.indices[i])).tolist()
+
+
+def _locate_batches(path: Path, num_prompts: int) -> list[_Batch]:
+    """The file position of every batch's buffers: the file mapped only to read its metadata (the
+    buffers are zero-copy views, so their addresses less the mapping's base are file positions),
+    then unmapped. Checks the schema, the prompt count and that nothing is null."""
+    src = pa.memory_map(str(path))
+    try:
+        base = src.read_buffer(1).address
+        reader = pa.ipc.open_file(src)
+        if not reader.schema.equals(SCHEMA):
+            raise ValueError(f"schema {reader.schema} is not {SCHEMA}")
+        out, total = [], 0
+        for k in range(reader.num_record_batches):
+            b = reader.get_batch(k)
+            if not b.num_rows or any(c.null_count or c.offset for c in b.columns):
+                raise ValueError(f"batch {k} is empty or holds nulls")
+            row, text, answer, ids = b.columns
+
+            def at(buffer: pa.Buffer | None) -> int:  # None: no bytes to read there
+                return buffer.address - base if buffer is not None else 0
+
+            out.append(_Batch(
+                first=total, row=at(row.buffers()[1]), text_offsets=at(text.buffers()[1]),
+                text=at(text.buffers()[2]), answer_offsets=at(answer.buffers()[1]),
+                answer=at(answer.buffers()[2]), ids_offsets=at(ids.buffers()[1]),
+                ids=at(ids.values.buffers()[1])))
+            total += b.num_rows
+        if total != num_prompts:
+            raise ValueError(f"{total} prompts, the record says {num_prompts}")
+        return out
+    finally:
+        src.close()
