@@ -10,6 +10,8 @@ then two fresh processes form a gloo world and, as the trainer does at start,
   one phase's prompts (16,384, the 70B config's ``algo.prompts_per_phase``, drawn as the
   scheduler draws them) through ``ids_view`` as a replica's engine does, and prompts as the
   leader's shard writer does;
+- **reuse**: the same at the largest size, started again in the same run directory (a resume:
+  the file is opened, not written);
 - **old** (``--old-path N``): every rank calls ``load_prompts`` (each prompt's ids a tuple of
   Python ints); with ``--old-tree DIR`` the package is imported from DIR, e.g. a worktree of the
   commit before the prompt file (``git worktree add /tmp/old 40b28f8``), so that what is measured
@@ -86,7 +88,7 @@ def rank_main(rank: int, args: dict, out: str) -> None:
     base = rss()
     peak = PeakMemory()
     t0 = time.perf_counter()
-    if args["mode"] == "new":
+    if args["mode"] != "old":
         from mugrpo_megatron.data.prompt_store import open_prompt_set
 
         prompts = open_prompt_set(cfg, Path(args["run_dir"]), tok)
@@ -97,7 +99,7 @@ def rank_main(rank: int, args: dict, out: str) -> None:
     # one phase's prompts, drawn as the scheduler draws them (a seeded permutation)
     picks = np.random.default_rng(0).permutation(n)[:min(n, PHASE_PROMPTS)].tolist()
     t1 = time.perf_counter()
-    if args["mode"] == "new":
+    if args["mode"] != "old":
         view = prompts.ids_view(picks)
         tokens = sum(len(view[i]) for i in range(len(view)))
         answers = sum(len(prompts[i].answer) for i in picks[:2048])
@@ -119,7 +121,10 @@ def run_size(n: int, mode: str, args, work: Path, model: str) -> list[dict]:
     if not data.exists():
         write_data(data, n)
     out = Path(tempfile.mkdtemp(dir=work))
-    spec = {"mode": mode, "model": model, "data": str(data), "run_dir": str(out / "run"),
+    # reuse: a second start in the run directory of the last 'new' start (a resume)
+    run_dir = work / f"run_{n}"
+    spec = {"mode": mode, "model": model, "data": str(data),
+            "run_dir": str(run_dir if mode != "old" else out / "run"),
             "old_tree": args.old_tree if mode == "old" else None}
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(r, spec, str(out)), daemon=True)
@@ -157,7 +162,8 @@ def main() -> int:
 
         model = work / "model"
         make_tokenizer(model)
-        runs = [("new", n) for n in sizes] + ([("old", args.old_path)] if args.old_path else [])
+        runs = [("new", n) for n in sizes] + [("reuse", sizes[-1])] + \
+            ([("old", args.old_path)] if args.old_path else [])
         results = {f"{mode}_{n}": run_size(n, mode, args, work, str(model)) for mode, n in runs}
     rows = []
     for key, (r0, r1) in results.items():

@@ -129,3 +129,14 @@ def test_save_memory_quick_measures_both_layouts():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fully_reshardable" in proc.stdout and "fully_sharded_model_space" in proc.stdout
     assert "largest extra over the rank's own optimizer shard" in proc.stdout
+
+
+def test_prompt_scale_quick_opens_the_prompt_file_on_two_ranks(tmp_path):
+    """benchmarks/prompt_scale.py --quick: two gloo ranks open the training prompts at 2x10^3 and
+    2x10^4 prompts (rank 0 tokenizes them into the run directory) and again as a resume (the file
+    reused); it exits 1 unless both ranks read the same prompts. RSS is printed, not asserted."""
+    proc = subprocess.run([sys.executable, "benchmarks/prompt_scale.py", "--quick",
+                           "--work-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "reuse" in proc.stdout and "peak RSS per rank grows" in proc.stdout

@@ -29,8 +29,9 @@ from mugrpo_megatron.types import LoadReport, Prompt
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _MAX_EXAMPLES = 5
-CHUNK_ROWS = 4096
-"""Rows tokenized in one call (fast tokenizers batch them in Rust): ~1 MB of text at a time."""
+CHUNK_ROWS = 1024
+"""Rows tokenized in one call (fast tokenizers batch them in Rust). Their per-token objects
+(~150 bytes a token, Rust and Python) are what a reader holds: ~20 MB at 1024 x 128 tokens."""
 
 
 class Tokenizer(Protocol):
@@ -333,8 +334,9 @@ def tokenize_prompts(texts: list[str], cfg: DataConfig, tokenizer: Tokenizer) ->
         if cfg.instruction:
             content = f"{content.rstrip()}\n{cfg.instruction}"
         contents.append(content)
+    ids_only = dict(return_attention_mask=False, return_token_type_ids=False)
     if not cfg.chat_template:
-        return [list(ids) for ids in tokenizer(contents)["input_ids"]]
+        return [list(ids) for ids in tokenizer(contents, **ids_only)["input_ids"]]
     rendered = []
     for content in contents:
         messages = [{"role": "user", "content": content}]
@@ -342,4 +344,5 @@ def tokenize_prompts(texts: list[str], cfg: DataConfig, tokenizer: Tokenizer) ->
             messages.insert(0, {"role": "system", "content": cfg.system_prompt})
         rendered.append(tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=True))
-    return [list(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+    return [list(ids) for ids in tokenizer(rendered, add_special_tokens=False,
+                                           **ids_only)["input_ids"]]

@@ -27,11 +27,11 @@ phases read their way through it; a map would (each page fault maps the pages ar
 ``phase_store`` measured for shards).
 
 What grows with what, at 10^6 prompts of 300 tokens: on disk ~1.2 GB of token ids plus the texts
-and answers, once per run directory; in each rank ~100 bytes a batch (245 batches); at start-up,
+and answers, once per run directory; in each rank ~100 bytes a batch (977 batches); at start-up,
 rank 0's time to tokenize (the other 63 ranks tokenize nothing) and on rank 0 one chunk of
-prompts as Python objects (4096 x 300 tokens: ~45 MB). Before, every rank tokenized the whole
-set and held every prompt as a tuple of Python ints (~36 bytes a token: 10.8 GB a rank here,
-2.7 GB at 2.5 x 10^5 prompts).
+prompts as Python objects (1024 x 300 tokens: ~45 MB with the tokenizer's own). Before, every
+rank tokenized the whole set and held every prompt as a tuple of Python ints (~36 bytes a token:
+10.8 GB a rank here, 2.7 GB at 2.5 x 10^5 prompts).
 The held-out set (``data.eval_size`` prompts) stays a list (``load_prompts``).
 """
 
