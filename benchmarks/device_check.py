@@ -176,12 +176,12 @@ def reshard_section(state: dict, args) -> dict:
 def packing_section(state: dict, args) -> dict:
     """Packed rows (THD through TE on a GPU, the masked path elsewhere) against padded ones on
     responses of varied lengths: the log-prob difference and the train-step speed of each."""
-    from dataclasses import replace
 
+    from mugrpo_megatron.learner.fp8 import round_up
     from mugrpo_megatron.learner.packing import sequence_lengths
     from mugrpo_megatron.rollout import Sample, to_batch
 
-    learner, cfg = state["learner"], state["cfg"]
+    learner = state["learner"]
     g = torch.Generator().manual_seed(2)
     vocab, prompt = learner.spec.vocab_size, args.seq // 4
     samples = []
@@ -193,21 +193,22 @@ def packing_section(state: dict, args) -> dict:
                               tuple([-3.0] * n), "length", advantage=float(i % 3 - 1)))
     batch = to_batch(samples)
     out = {"padding_frac": 1 - sum(sequence_lengths(batch.response_mask)) / batch.tokens.numel()}
-    # the learner reads parallel.pack_tokens at each call: switch it for this comparison only
-    padded_cfg, packed_cfg = cfg, replace(cfg, parallel=replace(cfg.parallel, pack_tokens=args.seq * 2))
+    # the learner reads its pack_capacity at each call: switch it for this comparison only
+    own = learner.pack_capacity
+    ways = (("padded", 0), ("packed", round_up(args.seq * 2, learner.token_multiple)))
     logps = {}
-    for name, c in (("padded", padded_cfg), ("packed", packed_cfg)):  # same weights for both
-        learner.cfg = c
+    for name, capacity in ways:  # same weights for both
+        learner.pack_capacity = capacity
         logps[name], _ = learner.logprobs(batch)
-    for name, c in (("padded", padded_cfg), ("packed", packed_cfg)):
-        learner.cfg = c
+    for name, capacity in ways:
+        learner.pack_capacity = capacity
         out[name] = {"step_s": summarize([learner.train_step(batch).seconds for _ in range(3)])}
-    learner.cfg = cfg
+    learner.pack_capacity = own
     resp = batch.response_mask
     diff = (logps["padded"] - logps["packed"]).abs()[resp]
     out.update(logp_diff_max=float(diff.max()), logp_diff_mean=float(diff.mean()),
                packed_speedup=out["padded"]["step_s"]["median"] / out["packed"]["step_s"]["median"],
-               path="THD (Transformer Engine)" if learner._thd else "block-diagonal mask")
+               path="THD (Transformer Engine)" if learner.uses_thd else "block-diagonal mask")
     return out
 
 

@@ -166,7 +166,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         prompts, report = load_prompts(data, tokenizer, held_out=True)
         print(f"[eval] {report.summary()}")
         engine = make_engine(cfg.rollout, model, dtype=cfg.model.dtype,
-                             max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                             max_model_len=cfg.max_sequence_tokens,
                              trust_remote_code=cfg.model.trust_remote_code)
         try:
             with RewardScorer(cfg.reward) as scorer:

@@ -83,11 +83,17 @@ class ParallelConfig(_Section):
     """Shard optimizer state and fp32 master weights over data-parallel ranks (ZeRO-1)."""
     micro_batch_size: int = 1
     """Responses per microbatch on each data-parallel rank."""
-    pack_tokens: int = 0
+    pack_tokens: int | Literal["auto"] = "auto"
     """Pack whole sequences (prompt + response) end to end into microbatch rows of this many
-    tokens (rounded up as pad_tokens_to says), longest first, instead of padding each to the
-    batch's longest; each microbatch is then one such row and micro_batch_size is not used.
-    0 pads. Must hold the longest prompt + response."""
+    tokens (first fit, longest first; rounded up as pad_tokens_to says) instead of padding every
+    row to the batch's longest; each microbatch is one such row. 0 pads. 'auto': on a GPU with
+    Transformer Engine, rows of micro_batch_size x (data.max_prompt_tokens +
+    rollout.max_new_tokens), as many tokens as the largest padded microbatch (same activation
+    memory), through TE's THD attention (sequences kept apart by cu_seqlens); elsewhere 0, since
+    megatron's local attention keeps packed sequences apart with a T x T mask. Saves the padding
+    (over half of the tokens with heavy-tailed response lengths: benchmarks/RESULTS.md); costs a
+    first-fit pass over a rank's rows per update. The first mismatch check of a run scores rows
+    both ways and stops the run if they differ."""
     pad_tokens_to: int = 0
     """Pad each microbatch row (or size each packed row) so that every tensor-parallel rank's
     share of its tokens is a multiple of this. 0: what FP8 needs with model.fp8_format (16 for
@@ -115,8 +121,8 @@ class ParallelConfig(_Section):
                 self._fail("virtual_pipeline", "needs parallel.pipeline >= 2")
         if self.sequence_parallel and self.tensor == 1:
             self._fail("sequence_parallel", "needs parallel.tensor > 1")
-        if self.pack_tokens < 0:
-            self._fail("pack_tokens", "must be >= 0 (0: pad instead of packing)")
+        if self.pack_tokens != "auto" and self.pack_tokens < 0:
+            self._fail("pack_tokens", "must be >= 0 (0: pad instead of packing) or auto")
         self._non_negative("pad_tokens_to")
 
     def data_parallel(self, world_size: int) -> int:
@@ -174,11 +180,17 @@ class RolloutConfig(_Section):
     most the groups in the engine plus about one shard per replica. Larger shards: fewer files
     (each open shard holds a file descriptor on every rank; 10^6 responses at G = 8 and 256
     prompts a shard is ~490 files)."""
+    max_num_seqs: int = 0
+    """Sequences an engine replica runs at once at most (each of a group's G responses is one):
+    vLLM's max_num_seqs, SGLang's max_running_requests. 0: the engine's default (vLLM 0.32: 1024
+    on H100/H200, 256 on smaller GPUs, 256 x TP on CPU)."""
     max_inflight_prompts: int = 0
     """Prompts each replica keeps queued in its engine while it streams its share of a phase
-    (each finished group is replaced by the next prompt); 0: the whole share at once, which lets
-    vLLM's scheduler fill the batch as memory allows. SGLang has no step API here: it takes
-    windows of this many (0: rollout.shard_prompts), each waiting for its slowest response."""
+    (each finished group is replaced by the next prompt). 0: twice what the engine runs at once,
+    ceil(2 x its max_num_seqs / G): the running batch stays full with as many waiting to take a
+    finished group's place, and a share of 1.25 x 10^5 requests (10^6 responses, 8 replicas) is
+    not held in the scheduler as Python objects. SGLang has no step API here: it takes windows
+    of this many (0: rollout.shard_prompts), each waiting for its slowest response."""
     eval_samples: int = 1
     """Responses per held-out prompt in evaluation (k of mean@k and pass@k); 1 decodes greedily."""
     mismatch_check_samples: int = 4
@@ -190,7 +202,7 @@ class RolloutConfig(_Section):
     def __post_init__(self) -> None:
         self._positive("tensor_parallel", "group_size", "max_new_tokens", "cpu_kv_cache_gib",
                        "weight_bucket_mb", "shard_prompts", "eval_samples")
-        self._non_negative("mismatch_check_samples", "max_inflight_prompts")
+        self._non_negative("mismatch_check_samples", "max_inflight_prompts", "max_num_seqs")
         if not 0 < self.temperature:
             self._fail("temperature", "must be > 0")
         if not 0 < self.top_p <= 1:
@@ -496,7 +508,17 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Where and how progress is reported."""
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence a phase can hold: the longest prompt and the longest response."""
+        return self.data.max_prompt_tokens + self.rollout.max_new_tokens
+
     def __post_init__(self) -> None:
+        pack = self.parallel.pack_tokens
+        if pack != "auto" and 0 < pack < self.max_sequence_tokens:
+            raise ValueError(f"parallel.pack_tokens: {pack} tokens cannot hold the longest "
+                             f"sequence, data.max_prompt_tokens + rollout.max_new_tokens = "
+                             f"{self.max_sequence_tokens}; raise it, or 0 to pad")
         samples_per_phase = self.algo.prompts_per_phase * self.rollout.group_size
         if self.algo.samples_per_update > samples_per_phase:
             raise ValueError(

@@ -63,7 +63,7 @@ def activation_bytes(cfg: Config, spec: ModelSpec, dp: int, recompute: str) -> t
     """Activation memory of the first pipeline stage during an update with ``recompute``, and the
     microbatches it holds in flight (1F1B: up to PP)."""
     p = cfg.parallel
-    s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    s = cfg.max_sequence_tokens
     b, h, tp = p.micro_batch_size, spec.hidden_size, p.tensor
     layers_stage = spec.num_layers / p.pipeline
     in_flight = min(p.pipeline, max(1, cfg.algo.samples_per_update // (dp * b)))
@@ -118,7 +118,7 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
     optim_b = opt_per_param * (dense_params / shard_dense + expert_params / shard_expert)
     state = params_b + grads_b + optim_b
 
-    s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    s = cfg.max_sequence_tokens
     act, in_flight = activation_bytes(cfg, spec, dp, cfg.model.recompute)
     logits = 2 * s * p.micro_batch_size * vocab_rows * 4
 
@@ -232,7 +232,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
                          f"{gpu_gib:.0f} GiB per GPU: raise parallel.tensor/pipeline, enable "
                          f"recompute, the distributed optimizer or parallel.offload_learner, or "
                          f"lower rollout.gpu_memory_utilization")
-    if e["kv_tokens"] < r.max_new_tokens + cfg.data.max_prompt_tokens:
+    if e["kv_tokens"] < cfg.max_sequence_tokens:
         raise ValueError("\n".join(lines) + "\nthe engine's KV cache cannot hold one sequence: raise "
                          "rollout.gpu_memory_utilization or rollout.tensor_parallel")
     lines.append("fits: yes")

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mugrpo_megatron.config import RolloutConfig
 from mugrpo_megatron.distributed import collective_device
 from mugrpo_megatron.engines import SamplingSpec
 from mugrpo_megatron.engines.base import Generation
@@ -158,6 +159,20 @@ def sum_counts(counts: ReplicaCounts) -> ReplicaCounts:
         dist.all_reduce(t)
     return ReplicaCounts(*t.cpu().tolist(), score_wait_seconds=counts.score_wait_seconds,
                          messages=counts.messages)
+
+
+def inflight_prompts(r: RolloutConfig, streams: bool, running: int | None) -> int:
+    """How many prompts of its share a replica keeps in its engine at once (0: all of them):
+    ``rollout.max_inflight_prompts``, or else, for an engine that refills its batch as groups
+    finish (``streams``), twice the groups it runs at once (``running`` sequences / G): its
+    running batch stays full, with as many groups waiting to take a finished one's place, and
+    what it holds does not grow with the share; for one that does not stream, windows of a
+    shard's worth of groups."""
+    if r.max_inflight_prompts:
+        return r.max_inflight_prompts
+    if not streams:
+        return r.shard_prompts
+    return -(-2 * running // r.group_size) if running else 0
 
 
 def sampling_for_phase(r, phase_index: int) -> SamplingSpec:

@@ -43,7 +43,7 @@ SAFE_TO_CHANGE = (
     "logging.", "parallel.", "rollout.tensor_parallel", "rollout.placement",
     "rollout.gpu_memory_utilization", "rollout.cpu_kv_cache_gib", "rollout.sleep_between_phases",
     "rollout.weight_bucket_mb", "rollout.mismatch_check_samples", "rollout.shard_prompts",
-    "rollout.max_inflight_prompts", "reward.num_workers", "reward.batch_responses",
+    "rollout.max_inflight_prompts", "rollout.max_num_seqs", "reward.num_workers", "reward.batch_responses",
     "reward.timeout_s", "checkpoint.save_every_updates", "checkpoint.keep_last",
     "checkpoint.resume", "checkpoint.export_hf", "model.recompute",
 )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,7 @@ from mugrpo_megatron.metrics import MetricsLogger
 from mugrpo_megatron.phase_generation import (
     ReplicaCounts,
     ShardWriter,
+    inflight_prompts,
     pending_positions,
     sampling_for_phase,
     share,
@@ -42,13 +43,28 @@ from mugrpo_megatron.phase_generation import (
 from mugrpo_megatron.phase_store import PhaseData, finalize, is_generated, phase_dir
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
-from mugrpo_megatron.rollout import logprob_gap
+from mugrpo_megatron.rollout import LogprobGap, logprob_gap
 from mugrpo_megatron.run_dir import record_start
 from mugrpo_megatron.scheduler import Phase, PhaseScheduler
 
 
 class RunFailed(RuntimeError):
     """A failure that ends the run; the message says what was kept and how to resume."""
+
+
+PACKING_CHECK_ROWS = 8
+"""Rows of a phase scored both packed and padded at a run's first mismatch check."""
+
+
+def packing_tolerance(cfg: Config) -> float:
+    """The mean |log p packed - log p padded| over response tokens above which packing is taken
+    to be broken. The two paths differ only in kernels and summation order: ~1e-6 in fp32, a few
+    1e-3 in bf16, more with FP8's per-tensor scales (its activations' amax depends on the rows a
+    tensor holds). Attention across the sequences of a row (a layout mistake) changes every
+    later sequence of the row by far more: 0.38 nats a token on average, 2.1 at most, on the tiny
+    model of ``tests/test_trainer.py``, where correct packing differs by 4e-7."""
+    tolerance = 1e-3 if cfg.model.dtype == "float32" else 0.05
+    return 2 * tolerance if cfg.model.fp8_format else tolerance
 
 
 @dataclass
@@ -97,7 +113,7 @@ class Trainer:
             # no weights read from disk: the first sync (before any generation) writes them all
             self.engines = EngineFleet.start(
                 cfg.rollout, cfg.model.path, dtype=cfg.model.dtype,
-                max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                max_model_len=cfg.max_sequence_tokens,
                 trust_remote_code=cfg.model.trust_remote_code, load_weights=False,
                 timeout_minutes=cfg.parallel.timeout_minutes)
             self.mark_memory("start")
@@ -111,6 +127,7 @@ class Trainer:
         self.scorer = RewardScorer(cfg.reward) if self.engines.is_leader else None
         # the learner update whose weights the engine holds (None: the checkpoint it started from)
         self._engine_has: int | None = None
+        self._packing_checked = False
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.start_update = 0
         ckpt = None
@@ -227,11 +244,13 @@ class Trainer:
             bar = self.progress.bar(
                 f"phase {phase.index} generate (replica {self.engines.replica} of "
                 f"{self.engines.num_replicas})", total=len(mine))
-            stream = self.engines.engine.generate_stream(
+            engine = self.engines.engine
+            window = inflight_prompts(r, engine.streams, engine.max_running_sequences)
+            times.extra["inflight_prompts"] = window
+            stream = engine.generate_stream(
                 self.prompts.ids_view([phase.prompt_indices[p] for p in mine]),
                 sampling_for_phase(r, phase.index), positions=mine.tolist(),
-                max_in_flight=r.max_inflight_prompts or
-                (0 if self.engines.engine.streams else r.shard_prompts))
+                max_in_flight=window)
             try:
                 for i, gens in stream:
                     try:
@@ -268,6 +287,7 @@ class Trainer:
         """mu updates over the phase's samples; checkpoints; per-update and per-phase metrics."""
         train = data.train_rows  # phase rows the updates draw from (uniform groups dropped)
         gap = self.mismatch_check(data)
+        packing = self.check_packing(data)
         quantum = self.learner.layout.dp_size * self.cfg.parallel.micro_batch_size
         first = max(self.start_update, phase.first_update)
         bar = self.progress.bar(f"phase {phase.index} optimize",
@@ -316,20 +336,59 @@ class Trainer:
         if t_eval:
             times.extra["eval_seconds"] = t_eval
         self.save(phase.first_update + phase.num_updates, phase.index)
+        if packing is not None:
+            times.extra.update(pack_check_gap_mean=packing.mean, pack_check_gap_max=packing.max)
         self._log_phase(phase, data, gap, times, skipped)
 
     def mismatch_check(self, data: PhaseData):
         """Score a few of the engine's own samples, read back from the shards, with the learner:
         the train/inference gap. The rows are spread over the phase, so every replica's share
         (and so every replica's copy of the weights) is checked."""
-        n = min(self.cfg.rollout.mismatch_check_samples, data.num_samples)
-        rows = np.unique(np.linspace(0, data.num_samples - 1, n).round().astype(np.int64))
-        rows = rows[:len(rows) - len(rows) % self.learner.layout.dp_size]
+        rows = self._spread_rows(data, self.cfg.rollout.mismatch_check_samples)
         if len(rows) == 0:
             return None
         batch = data.batch(rows, self.tokenizer.pad_token_id or 0)
         logp, _ = self.learner.logprobs(batch)
         return logprob_gap(logp, batch)
+
+    def check_packing(self, data: PhaseData) -> LogprobGap | None:
+        """Where the learner packs (``parallel.pack_tokens``), once a run, at its first mismatch
+        check: score rows spread over the phase packed and padded, and stop the run if they
+        differ beyond ``packing_tolerance``. On a GPU packing runs Transformer Engine's THD
+        attention, kernels and layout rules that no CPU test runs; the padded path is the one
+        every layout test checks. Costs two forward passes of a few rows, once."""
+        if not self.learner.pack_capacity or self._packing_checked:
+            return None
+        self._packing_checked = True
+        rows = self._spread_rows(data, PACKING_CHECK_ROWS)
+        if len(rows) == 0:
+            return None
+        batch = data.batch(rows, self.tokenizer.pad_token_id or 0)
+        packed, _ = self.learner.logprobs(batch)
+        padded, _ = self.learner.logprobs(batch, packed=False)
+        diff = logprob_gap(packed, replace(batch, behav_logp=padded))
+        tolerance = packing_tolerance(self.cfg)
+        if diff.mean > tolerance:
+            path = "Transformer Engine's THD attention" if self.learner.uses_thd else \
+                "a block-diagonal attention mask"
+            raise RunFailed(
+                f"packed sequences score differently from padded ones: mean |log p packed - "
+                f"log p padded| {diff.mean:.3g} (max {diff.max:.3g}) over {diff.num_tokens} "
+                f"response tokens of {len(rows)} rows, above the {tolerance:g} that "
+                f"{self.cfg.model.dtype}{' with FP8' if self.cfg.model.fp8_format else ''} "
+                f"allows. Packing goes through {path}, which computes something else on this "
+                f"setup; no update of this start trained on it. Set parallel.pack_tokens: 0 to "
+                f"pad instead (more tokens an update: see its docs), and please report this with "
+                f"your Transformer Engine and megatron-core versions. Everything in "
+                f"{self.run_dir} was kept; the run resumes with the same command.")
+        return diff
+
+    def _spread_rows(self, data: PhaseData, n: int) -> np.ndarray:
+        """Up to ``n`` rows spread evenly over the phase (so over every replica's share), a
+        multiple of the data-parallel size (the learner splits them over its ranks)."""
+        n = min(n, data.num_samples)
+        rows = np.unique(np.linspace(0, data.num_samples - 1, n).round().astype(np.int64))
+        return rows[:len(rows) - len(rows) % self.learner.layout.dp_size]
 
     def save(self, update: int, phase: int) -> None:
         save_learner(self.learner, self.ckpt_dir / f"update_{update:07d}",

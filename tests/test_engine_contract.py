@@ -56,7 +56,9 @@ def jobs(engine: str) -> dict[str, dict]:
     for placement in ("rank0", "spmd"):
         out[f"placement_{placement}"] = {
             "ranks": 2, "model": "llama", "overrides": [
-                f"rollout.placement={placement}", "parallel.tensor=2"],
+                f"rollout.placement={placement}", "parallel.tensor=2",
+                # the spmd replicas run at most 4 sequences: the default queue is bounded by it
+                *(["rollout.max_num_seqs=4"] if placement == "spmd" else [])],
             "dummy_engine": placement == "spmd"}
     return out
 
@@ -126,6 +128,10 @@ def check_contract(out):
     # that seed each request; SGLang seeds once per engine, so its draws depend on the batch)
     if r["engine"] == "vllm":
         assert r["stream"]["same_tokens"] and r["stream"]["max_logprob_diff"] < 1e-5, r["stream"]
+    if "bounded_stream" in r:  # rollout.max_num_seqs = 4, G = 2: 4 prompts, 8 requests at most
+        b = r["bounded_stream"]
+        assert (b["running"], b["window"]) == (4, 4) and 0 < b["peak_requests"] <= 8, b
+        assert b["same_tokens"], b
     return r
 
 
@@ -150,6 +156,7 @@ def test_rank0_placement_samples_like_spmd(workdir):
     them from disk samples."""
     runs = {p: run(workdir, "vllm", f"placement_{p}") for p in ("rank0", "spmd")}
     assert runs["rank0"]["replicas"] == 1 and runs["spmd"]["replicas"] == 2
+    assert "bounded_stream" in runs["spmd"]  # checked by check_contract
     assert (runs["rank0"]["load_format"], runs["spmd"]["load_format"]) == ("auto", "dummy")
     assert runs["rank0"]["initial_samples"] == runs["spmd"]["initial_samples"]
 

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "dist" / "worker.py"
 COMMON = ["parallel.micro_batch_size=2", "algo.samples_per_update=8", "algo.total_updates=8",
           "algo.updates_per_phase=4", "optim.lr=0.1", "optim.adam_eps=1.0", "optim.grad_clip=1.0",
-          "algo.clip_low=0.2", "algo.clip_high=0.28", "algo.veto_threshold=1e-4"]
+          "algo.clip_low=0.2", "algo.clip_high=0.28", "algo.veto_threshold=1e-4",
+          # the batch's sequences are at most 24 tokens; a packed row (40) must hold the longest
+          "data.max_prompt_tokens=16", "rollout.max_new_tokens=16"]
 # family -> checkpoint options; qwen2 has QKV bias and tied embeddings, all have GQA (4 q / 2 kv)
 FAMILIES = {"llama": {}, "qwen2": {"tie_embeddings": True}, "qwen3": {}, "mistral": {},
             "qwen3_moe": {}, "mixtral": {}}

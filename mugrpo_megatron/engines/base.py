@@ -59,6 +59,9 @@ class RolloutEngine(abc.ABC):
     the trainer streams in windows of ``rollout.shard_prompts``, so shards keep landing."""
     supports_sleep: bool = False
     """Whether sleep() really frees accelerator memory (False on CPU: it is a no-op there)."""
+    max_running_sequences: int | None = None
+    """The most sequences the engine runs at once (None: not known), which sizes the queue a
+    replica keeps in it (``phase_generation.inflight_prompts``)."""
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec

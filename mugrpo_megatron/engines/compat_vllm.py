@@ -18,6 +18,8 @@ read; ``tests/test_compat.py`` fails, naming the symbol, when a release moves or
   with ``LLM.enqueue`` as groups finish, instead of waiting for a whole call's slowest response.
 - ``shutdown_in_process``: ``LLM.llm_engine.engine_core.shutdown()``, which ``LLM`` has no
   public call for.
+- ``max_running_sequences``: the scheduler's ``max_num_seqs`` as the engine resolved it (its
+  default depends on the device), read from ``LLM.llm_engine.vllm_config``.
 - ``group_timeout_kwargs``: the engine arguments that set the timeout of vLLM's own process
   groups (``distributed_timeout_seconds``, ``cpu_distributed_timeout_seconds``: in 0.32 and 0.33;
   an engine of a release without them keeps torch's defaults, 10 minutes for NCCL).
@@ -49,6 +51,8 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "vllm.engine.arg_utils:EngineArgs.distributed_timeout_seconds",
     "vllm.engine.arg_utils:EngineArgs.cpu_distributed_timeout_seconds",
     "vllm.platforms.cpu:CpuPlatform.check_and_update_config",
+    "vllm.engine.arg_utils:EngineArgs.max_num_seqs",
+    "vllm.config.scheduler:SchedulerConfig.max_num_seqs",
 )
 """``module:attribute`` of every upstream name a part below patches or reads."""
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -185,6 +189,12 @@ def abort_requests(llm, request_ids: list[str]) -> None:
     """Drop requests still in ``llm``'s scheduler (a stream that stopped early)."""
     if request_ids:
         llm.llm_engine.abort_request(request_ids)
+
+
+def max_running_sequences(llm) -> int:
+    """The most sequences ``llm``'s scheduler runs at once: ``SchedulerConfig.max_num_seqs`` after
+    the engine filled in its device-dependent default (``EngineArgs.max_num_seqs``: None)."""
+    return int(llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
 
 
 def group_timeout_kwargs(timeout_minutes: float | None) -> dict[str, int]:

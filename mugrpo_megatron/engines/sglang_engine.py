@@ -79,6 +79,8 @@ class SGLangEngine(RolloutEngine):
                       log_level=os.environ.get("SGLANG_LOG_LEVEL", "warning"))
         if not load_weights:  # random placeholders; the first sync writes every weight
             kwargs.update(load_format="dummy")
+        if cfg.max_num_seqs:
+            kwargs.update(max_running_requests=cfg.max_num_seqs)
         if timeout_minutes is not None:  # its scheduler processes' own process groups
             kwargs.update(dist_timeout=max(1, round(timeout_minutes * 60)))
         if on_gpu:

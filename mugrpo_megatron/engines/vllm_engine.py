@@ -34,6 +34,7 @@ from mugrpo_megatron.engines.compat_vllm import (
     group_timeout_kwargs,
     launcher_env_kept,
     learner_world_kept,
+    max_running_sequences,
     quiet_expected_reload_warnings,
     refresh_tied_lm_head,
     repack_cpu_experts,
@@ -61,6 +62,8 @@ class VLLMEngine(RolloutEngine):
                       enforce_eager=not on_gpu, logprobs_mode="processed_logprobs")
         if not load_weights:  # random placeholders; the first sync writes every weight
             kwargs.update(load_format="dummy")
+        if cfg.max_num_seqs:
+            kwargs.update(max_num_seqs=cfg.max_num_seqs)
         if spmd:
             kwargs.update(distributed_executor_backend="external_launcher")
         kwargs.update(group_timeout_kwargs(timeout_minutes))
@@ -76,6 +79,10 @@ class VLLMEngine(RolloutEngine):
             self.llm = LLM(**kwargs)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self._broken = ""
+
+    @property
+    def max_running_sequences(self) -> int:  # type: ignore[override]
+        return max_running_sequences(self.llm)
 
     def _check_usable(self) -> None:
         if self._broken:

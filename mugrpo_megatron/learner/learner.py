@@ -140,10 +140,12 @@ class Learner:
         self.temperature = cfg.rollout.temperature
         # packed rows: THD layout (cu_seqlens) through TE's attention, a block-diagonal causal
         # mask through megatron's local attention (whose sliding window would replace the mask)
-        self._thd = uses_transformer_engine(cfg.model)
+        self.uses_thd = uses_transformer_engine(cfg.model)
         self.token_multiple = token_multiple(cfg.model, cfg.parallel)
         """Microbatch rows (and packed rows) are padded to a multiple of this (``fp8``)."""
-        if cfg.parallel.pack_tokens and not self._thd and self.spec.sliding_window:
+        self.pack_capacity = pack_capacity(cfg, self.uses_thd, self.token_multiple)
+        """Tokens of a packed microbatch row; 0 pads instead (``parallel.pack_tokens``)."""
+        if self.pack_capacity and not self.uses_thd and self.spec.sliding_window:
             raise ValueError("parallel.pack_tokens: a sliding-window model packs only with "
                              "Transformer Engine (THD); set parallel.pack_tokens: 0")
 
@@ -170,7 +172,7 @@ class Learner:
             return batch, count
         group = mpu.get_data_parallel_group()
         dist.all_reduce(count, group=group)  # stays on the device: the loss divides by it there
-        if self.cfg.parallel.expert > 1 and not self.cfg.parallel.pack_tokens:
+        if self.cfg.parallel.expert > 1 and not self.pack_capacity:
             seq = torch.tensor(batch.tokens.shape[1], device=_device())
             dist.all_reduce(seq, op=dist.ReduceOp.MAX, group=group)
             batch = _right_padded(batch, int(seq))  # a read, with expert parallelism only
@@ -186,9 +188,10 @@ class Learner:
         per_rank = num_rows // dp
         return slice(self.layout.dp_rank * per_rank, (self.layout.dp_rank + 1) * per_rank)
 
-    def _microbatches(self, batch: TokenBatch, train: bool, dp_local: bool = False
-                      ) -> list[_MicroBatch]:
-        """This rank's rows of ``batch`` (all of them with ``dp_local``) as microbatches."""
+    def _microbatches(self, batch: TokenBatch, train: bool, dp_local: bool = False,
+                      capacity: int | None = None) -> list[_MicroBatch]:
+        """This rank's rows of ``batch`` (all of them with ``dp_local``) as microbatches, packed
+        into rows of ``capacity`` tokens (default ``pack_capacity``; 0: padded)."""
         mbs = self.cfg.parallel.micro_batch_size
         mine = slice(0, batch.size) if dp_local else self.dp_rows(batch.size)
         lo, per_rank = mine.start, mine.stop - mine.start
@@ -196,9 +199,10 @@ class Learner:
         labels = _next_aligned(batch.tokens)
         loss_mask = _next_aligned(batch.response_mask.bool())
         behav = _next_aligned(batch.behav_logp.float()) if train else None
-        if self.cfg.parallel.pack_tokens:
+        capacity = self.pack_capacity if capacity is None else capacity
+        if capacity:
             return self._packed_microbatches(batch, range(lo, lo + per_rank), labels, loss_mask,
-                                             behav, train)
+                                             behav, train, capacity)
         out = []
         for start in range(lo, lo + per_rank, mbs):
             rows = slice(start, min(start + mbs, lo + per_rank))
@@ -211,10 +215,8 @@ class Learner:
         return out
 
     def _packed_microbatches(self, batch: TokenBatch, rows: range, labels, loss_mask, behav,
-                             train: bool) -> list[_MicroBatch]:
-        """This DP rank's rows packed into rows of ``parallel.pack_tokens`` tokens, one per
-        microbatch."""
-        capacity = round_up(self.cfg.parallel.pack_tokens, self.token_multiple)
+                             train: bool, capacity: int) -> list[_MicroBatch]:
+        """This DP rank's rows packed into rows of ``capacity`` tokens, one per microbatch."""
         rows = list(rows)
         lengths = sequence_lengths(batch.response_mask[rows])
         bins = plan_bins(lengths, capacity)
@@ -243,7 +245,7 @@ class Learner:
             mb = next(data_iterator)
             device = _device()
             extra = {"attention_mask": None}
-            if mb.packed is not None and self._thd:
+            if mb.packed is not None and self.uses_thd:
                 cu = mb.packed.cu_seqlens(device)
                 longest = max(mb.packed.lengths + [mb.packed.capacity - sum(mb.packed.lengths)])
                 extra["packed_seq_params"] = PackedSeqParams(
@@ -301,14 +303,15 @@ class Learner:
         return torch.log(z) + m - pl / z
 
     @torch.no_grad()
-    def logprobs(self, batch: TokenBatch, with_entropy: bool = False
+    def logprobs(self, batch: TokenBatch, with_entropy: bool = False, *, packed: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-prob of every token given its prefix, ``[B, S]`` aligned with ``batch.tokens``
         (0 at position 0), on every rank; with ``with_entropy``, the entropy of the distribution
-        each token was drawn from."""
+        each token was drawn from. ``packed=False`` pads even where the learner packs (the
+        check of the packed path against the padded one)."""
         seq = batch.tokens.shape[1]
         batch = self._fit_sequence(batch)
-        microbatches = self._microbatches(batch, train=False)
+        microbatches = self._microbatches(batch, train=False, capacity=None if packed else 0)
 
         def loss_fn(mb: _MicroBatch, output: torch.Tensor):
             labels = mb.labels.to(output.device)
@@ -455,6 +458,18 @@ class Learner:
             inner = m.module
             out.append(inner.module if isinstance(inner, Float16Module) else inner)
         return out
+
+
+def pack_capacity(cfg: Config, thd: bool, multiple: int) -> int:
+    """Tokens of a packed microbatch row (0: pad): ``parallel.pack_tokens``, where 'auto' packs
+    through Transformer Engine's THD attention (``thd``) into rows of micro_batch_size x the
+    longest sequence (data.max_prompt_tokens + rollout.max_new_tokens), the most a padded
+    microbatch could hold, and pads without TE; rounded up to ``multiple`` (FP8, sequence
+    parallel)."""
+    tokens = cfg.parallel.pack_tokens
+    if tokens == "auto":
+        tokens = cfg.parallel.micro_batch_size * cfg.max_sequence_tokens if thd else 0
+    return round_up(tokens, multiple) if tokens else 0
 
 
 def _filler(capacity: int, train: bool) -> _MicroBatch:

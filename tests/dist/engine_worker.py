@@ -124,6 +124,8 @@ def run_contract(hf_dir: str, out: Path, overrides: list[str], bucket_bytes: int
             "same_tokens": all(a.token_ids == b.token_ids for a, b in pairs),
             "max_logprob_diff": max(abs(x - y) for a, b in pairs
                                     for x, y in zip(a.logprobs, b.logprobs))}
+    if engines.engine is not None and cfg.rollout.max_num_seqs:
+        result["bounded_stream"] = bounded_stream(engines.engine, cfg)
     batch, _ = sample_and_score("initial")
     step = learner.train_step(batch)
     result["step"] = {"loss": step.loss, "skipped": step.skipped}
@@ -158,6 +160,38 @@ def run_contract(hf_dir: str, out: Path, overrides: list[str], bucket_bytes: int
         (out / "result.json").write_text(json.dumps(result, indent=1))
     engines.shutdown()
     dist.barrier()
+
+
+def bounded_stream(engine, cfg) -> dict:
+    """The queue a replica keeps by default (``phase_generation.inflight_prompts``) with an engine
+    capped at ``rollout.max_num_seqs`` running sequences: the engine reports that cap, and while
+    12 prompts stream it never holds more than the window's requests (vLLM counts each of a
+    group's n samples as one), yet samples what one call over all 12 samples."""
+    from dataclasses import replace
+
+    from mugrpo_megatron.phase_generation import inflight_prompts
+
+    spec = SamplingSpec(n=2, max_new_tokens=12, temperature=cfg.rollout.temperature, seed=11)
+    prompts = [PROMPTS[i % 4] + [7 + i] for i in range(12)]
+    window = inflight_prompts(replace(cfg.rollout, group_size=spec.n), engine.streams,
+                              engine.max_running_sequences)
+    core = engine.llm.llm_engine
+    step, peak = core.step, [0]
+
+    def counted_step():  # instrumentation of this test: the requests the engine holds
+        peak[0] = max(peak[0], core.get_num_unfinished_requests())
+        return step()
+
+    core.step = counted_step
+    try:
+        streamed = dict(engine.generate_stream(prompts, spec, positions=list(range(12)),
+                                               max_in_flight=window))
+    finally:
+        core.step = step
+    whole = engine.generate(prompts, spec)
+    return {"running": engine.max_running_sequences, "window": window, "peak_requests": peak[0],
+            "same_tokens": all(a.token_ids == b.token_ids for k in range(12)
+                               for a, b in zip(whole[k], streamed[k]))}
 
 
 if __name__ == "__main__":
