@@ -9,7 +9,8 @@ rank holds:
   ``grad_reduce_in_fp32``); fp32 master weights and Adam's two moments (12 bytes a parameter,
   8 in fp32 training), divided by DP with the distributed optimizer. ``parallel.offload_learner``
   moves it to host memory while the engine generates.
-- activations: Korthikanti et al. (2022), 34*s*b*h bytes per layer and microbatch, divided by TP
+- activations: Korthikanti et al. (2022), 34*s*b*h bytes per layer and microbatch (s*b: the
+  tokens of the largest microbatch, a packed row where the learner packs), divided by TP
   with sequence parallel (10 of the 34 stay replicated without it), with flash attention (no
   s^2 term, so selective recomputation, which recomputes only that part, saves nothing); with
   full recomputation each layer keeps its input, 2*s*b*h (divided by TP with sequence parallel),
@@ -37,8 +38,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from mugrpo_megatron.config import Config
-from mugrpo_megatron.learner.fp8 import check_model_dims
+from mugrpo_megatron.learner.fp8 import check_model_dims, token_multiple
 from mugrpo_megatron.learner.hf_config import ModelSpec, read_model_spec
+from mugrpo_megatron.learner.packing import pack_capacity
 from mugrpo_megatron.scheduler import describe_schedule
 
 GIB = 1 << 30
@@ -59,17 +61,30 @@ RECOMPUTE_COST = {"none": "fastest", "selective": "+ core attention's forward",
 """``model.recompute``'s choices, cheapest first, with what each adds to an update."""
 
 
+def microbatch_tokens(cfg: Config) -> tuple[int, str]:
+    """Tokens of the largest microbatch on a GPU (Transformer Engine installed, as the GPU
+    install has it), and how they are laid out: a packed row (``parallel.pack_tokens``: 'auto'
+    packs there, into rows of micro_batch_size x the longest sequence), or micro_batch_size rows
+    padded to the longest sequence."""
+    p = cfg.parallel
+    packed = pack_capacity(cfg, thd=True, multiple=token_multiple(cfg.model, p))
+    if packed:
+        return packed, f"packed rows of {packed} tokens (THD through Transformer Engine)"
+    return p.micro_batch_size * cfg.max_sequence_tokens, \
+        f"{p.micro_batch_size} row(s) padded to the rank's longest (up to {cfg.max_sequence_tokens})"
+
+
 def activation_bytes(cfg: Config, spec: ModelSpec, dp: int, recompute: str) -> tuple[float, int]:
     """Activation memory of the first pipeline stage during an update with ``recompute``, and the
     microbatches it holds in flight (1F1B: up to PP)."""
     p = cfg.parallel
-    s = cfg.max_sequence_tokens
-    b, h, tp = p.micro_batch_size, spec.hidden_size, p.tensor
+    tokens = microbatch_tokens(cfg)[0]  # s x b of the formulas
+    h, tp = spec.hidden_size, p.tensor
     layers_stage = spec.num_layers / p.pipeline
-    in_flight = min(p.pipeline, max(1, cfg.algo.samples_per_update // (dp * b)))
-    full_layer = s * b * h * (34 / tp if p.sequence_parallel or tp == 1 else 24 / tp + 10)
+    in_flight = min(p.pipeline, max(1, cfg.algo.samples_per_update // (dp * p.micro_batch_size)))
+    full_layer = tokens * h * (34 / tp if p.sequence_parallel or tp == 1 else 24 / tp + 10)
     if recompute == "full":  # the layers' inputs of every microbatch in flight, one layer's all
-        inputs = 2 * s * b * h / (tp if p.sequence_parallel else 1) * layers_stage
+        inputs = 2 * tokens * h / (tp if p.sequence_parallel else 1) * layers_stage
         return inputs * in_flight + full_layer, in_flight
     return full_layer * layers_stage * in_flight, in_flight  # selective: no s^2 term to drop
 
@@ -118,9 +133,8 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
     optim_b = opt_per_param * (dense_params / shard_dense + expert_params / shard_expert)
     state = params_b + grads_b + optim_b
 
-    s = cfg.max_sequence_tokens
     act, in_flight = activation_bytes(cfg, spec, dp, cfg.model.recompute)
-    logits = 2 * s * p.micro_batch_size * vocab_rows * 4
+    logits = 2 * microbatch_tokens(cfg)[0] * vocab_rows * 4
 
     # not freed by any offload: the process, NCCL, and FP8's weight caches (the GEMM weights)
     fp8_cache = 2 * (layers_params + expert_params) if cfg.model.fp8_format else 0.0
@@ -169,7 +183,7 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
         "peak_by_recompute": peak_by_recompute,
         "cheapest_recompute": fitting[0] if fitting else None,
         "host_per_node": ranks * host_per_rank, "ranks_per_node": ranks,
-        "microbatches_in_flight": in_flight, "seq_len": s,
+        "microbatches_in_flight": in_flight, "seq_len": cfg.max_sequence_tokens,
     }
 
 
@@ -199,7 +213,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else "")
         + f" x DP {e['dp']}; sequence parallel {p.sequence_parallel}; distributed optimizer "
           f"{p.distributed_optimizer}; {r.describe_placement(world_size, gpus_per_node)}",
-        f"schedule: {describe_schedule(cfg)}; microbatches of {p.micro_batch_size}",
+        f"schedule: {describe_schedule(cfg)}; microbatches: {microbatch_tokens(cfg)[1]}",
         f"precision: {cfg.model.dtype}" + (f", FP8 {cfg.model.fp8_format} ({cfg.model.fp8_recipe})"
                                            if cfg.model.fp8_format else ""),
         f"per-GPU memory (sequence {e['seq_len']} tokens, {e['microbatches_in_flight']} "

@@ -54,6 +54,26 @@ def test_megatron_patches_read_what_they_expect():
                       flattened_range=slice(0, 4))
 
 
+def test_packed_rows_meet_what_megatron_does_with_thd():
+    """What learner/packing.py and model.rope_fusion rely on in megatron-core's THD path (a
+    release that changes it fails here, and those rules must be read again): its unfused THD
+    RoPE reads the sequence lengths to the host (.tolist(): a device sync a layer, hence TE's
+    fused RoPE wherever TE runs) and takes per-token offsets when its table is as long as the
+    row (hence max_seqlen below the row's length); its TE attention turns the causal mask into
+    padding_causal for THD (TE refuses THD without a padding mask)."""
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from mugrpo_megatron.learner.model import rope_fusion
+
+    rope = inspect.getsource(rope_utils._apply_rotary_pos_emb_thd)
+    assert ".tolist()" in rope and "freqs.size(0) == cu_seqlens[-1]" in rope
+    wrapper = inspect.getsource(te_ext)  # its classes are stand-ins where TE is absent
+    assert 'qkv_format == "thd"' in wrapper and "AttnMaskType.padding_causal" in wrapper
+    assert rope_fusion(True) == {"apply_rope_fusion": True}
+    assert rope_fusion(False) == {"apply_rope_fusion": False}
+
+
 def test_model_space_rectangles_cover_a_flat_range_exactly():
     """compat_megatron.rectangles: any [start, end) of a row-major flattening, as rectangles
     that are each contiguous and together hold exactly those elements, in order."""

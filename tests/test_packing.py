@@ -61,3 +61,35 @@ def test_masked_attention_on_a_packed_row_equals_each_sequence_alone():
 def test_sequence_lengths_end_at_the_last_response_token():
     mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
     assert sequence_lengths(mask) == [3, 5, 5]
+
+
+def test_thd_parameters_meet_transformer_engine_and_megatron_rules():
+    """What a packed row hands TE's THD attention and megatron's RoPE, for rows planned as the
+    learner plans them (first fit at capacities that are multiples of FP8 x TP) and the filler
+    row of expert parallelism. TE (DotProductAttention.forward, 2.0-2.20): cu_seqlens int32,
+    one dimension, from 0 to the row's length (the tokens it is given), rising strictly (a
+    zero-length sequence breaks cuDNN's ragged offsets). megatron-core (0.16.1): max_seqlen at
+    least every segment (its RoPE table and TE's kernels are sized by it), and below the row's
+    length when a row holds two segments, else its unfused THD RoPE places each sequence at its
+    offset in the row (positions would not restart at 0 as position_ids say they do)."""
+    from mugrpo_megatron.learner.learner import _filler
+
+    g = torch.Generator().manual_seed(2)
+    for capacity in (16, 128, 512, 4096):
+        lengths = torch.randint(1, capacity + 1, (60,), generator=g).tolist()
+        lengths[:3] = [capacity, capacity // 2, capacity - capacity // 2]  # exactly full rows
+        for members in plan_bins(lengths, capacity):
+            lens = [lengths[i] for i in members]
+            row = pack_row(torch.ones(len(lens), max(lens), dtype=torch.long), lens, capacity)
+            cu = row.cu_seqlens()
+            assert cu.dtype == torch.int32 and cu.dim() == 1
+            assert cu[0] == 0 and cu[-1] == row.tokens.shape[1] == capacity
+            segments = cu.diff()
+            assert (segments > 0).all(), cu
+            assert row.max_seqlen >= int(segments.max())
+            if len(segments) > 1:
+                assert row.max_seqlen < capacity
+            for start, n in zip(cu[:-1].tolist(), lens):  # each sequence starts at position 0
+                assert row.position_ids[0, start:start + n].tolist() == list(range(n))
+    empty = _filler(128, train=True).packed
+    assert empty.cu_seqlens().tolist() == [0, 128] and empty.max_seqlen == 128

@@ -45,7 +45,13 @@ from mugrpo_megatron.learner.model import (
     uses_transformer_engine,
 )
 from mugrpo_megatron.learner.offload import HostOffload, OffloadStats
-from mugrpo_megatron.learner.packing import PackedRow, pack_row, plan_bins, sequence_lengths
+from mugrpo_megatron.learner.packing import (
+    PackedRow,
+    pack_capacity,
+    pack_row,
+    plan_bins,
+    sequence_lengths,
+)
 from mugrpo_megatron.objective import metric_sums, metrics_from_sums, policy_loss
 from mugrpo_megatron.types import TokenBatch, TrainBatch
 
@@ -247,10 +253,9 @@ class Learner:
             extra = {"attention_mask": None}
             if mb.packed is not None and self.uses_thd:
                 cu = mb.packed.cu_seqlens(device)
-                longest = max(mb.packed.lengths + [mb.packed.capacity - sum(mb.packed.lengths)])
                 extra["packed_seq_params"] = PackedSeqParams(
                     qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                    max_seqlen_q=longest, max_seqlen_kv=longest)
+                    max_seqlen_q=mb.packed.max_seqlen, max_seqlen_kv=mb.packed.max_seqlen)
             elif mb.packed is not None:
                 extra["attention_mask"] = mb.packed.attention_mask(device)
             output = model(input_ids=mb.tokens.to(device), position_ids=mb.position_ids.to(device),
@@ -458,18 +463,6 @@ class Learner:
             inner = m.module
             out.append(inner.module if isinstance(inner, Float16Module) else inner)
         return out
-
-
-def pack_capacity(cfg: Config, thd: bool, multiple: int) -> int:
-    """Tokens of a packed microbatch row (0: pad): ``parallel.pack_tokens``, where 'auto' packs
-    through Transformer Engine's THD attention (``thd``) into rows of micro_batch_size x the
-    longest sequence (data.max_prompt_tokens + rollout.max_new_tokens), the most a padded
-    microbatch could hold, and pads without TE; rounded up to ``multiple`` (FP8, sequence
-    parallel)."""
-    tokens = cfg.parallel.pack_tokens
-    if tokens == "auto":
-        tokens = cfg.parallel.micro_batch_size * cfg.max_sequence_tokens if thd else 0
-    return round_up(tokens, multiple) if tokens else 0
 
 
 def _filler(capacity: int, train: bool) -> _MicroBatch:

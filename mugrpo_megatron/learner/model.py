@@ -91,7 +91,8 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         init_method_std=spec.init_std, attention_softmax_in_fp32=True,
         # fusions need apex/TE kernels; on GPUs with TE the TE spec brings its own
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False,
+        **rope_fusion(uses_transformer_engine(model)),
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         sequence_parallel=parallel.sequence_parallel, expert_model_parallel_size=parallel.expert,
@@ -129,6 +130,16 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
 
         kw.update(fp8_kwargs(model))
     return TransformerConfig(**kw)
+
+
+def rope_fusion(te: bool) -> dict[str, bool]:
+    """TE's fused RoPE wherever Transformer Engine runs. Packed (THD) rows need it: megatron's
+    unfused THD RoPE (``rope_utils._apply_rotary_pos_emb_thd``, megatron-core 0.16.1) reads each
+    row's sequence lengths to the host (``.tolist()``) in every attention layer, two device syncs
+    a layer and microbatch; TE's kernel (``fused_apply_rotary_pos_emb_thd``, TE >= 1.12; the
+    range pyproject admits) takes ``cu_seqlens`` on the device and starts every sequence at
+    position 0. Without TE there is no kernel to fuse with (megatron refuses the flag)."""
+    return {"apply_rope_fusion": te}
 
 
 def uses_transformer_engine(model: ModelConfig) -> bool:

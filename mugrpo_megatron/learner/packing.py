@@ -9,7 +9,7 @@ only position differences enter attention, and no attention crosses sequences.
 
 Loss and metrics are computed per sequence on values unpacked to ``[n, L]`` (L: the longest
 sequence of the row), so the veto's "every token after the trigger" stays within its own response.
-Pure torch: no megatron here.
+Pure torch: no megatron here (the dry run reads ``pack_capacity``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from mugrpo_megatron.config import Config
+from mugrpo_megatron.learner.fp8 import round_up
+
+
+def pack_capacity(cfg: Config, thd: bool, multiple: int) -> int:
+    """Tokens of a packed microbatch row (0: pad): ``parallel.pack_tokens``, where 'auto' packs
+    through Transformer Engine's THD attention (``thd``) into rows of micro_batch_size x the
+    longest sequence (data.max_prompt_tokens + rollout.max_new_tokens), the most a padded
+    microbatch could hold, and pads without TE; rounded up to ``multiple`` (FP8, sequence
+    parallel)."""
+    tokens = cfg.parallel.pack_tokens
+    if tokens == "auto":
+        tokens = cfg.parallel.micro_batch_size * cfg.max_sequence_tokens if thd else 0
+    return round_up(tokens, multiple) if tokens else 0
 
 
 def plan_bins(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -76,13 +91,24 @@ class PackedRow:
     def cu_seqlens(self, device=None) -> torch.Tensor:
         """int32 [n + 2] (THD): cumulative lengths, with the padding tail as a last sequence so
         that the offsets end at the row's length as TE's THD attention expects (``[n + 1]``
-        when there is no tail: no sequence of length 0)."""
+        when there is no tail: no sequence of length 0). TE's rules (``DotProductAttention.
+        forward``, TE 2.0-2.20): int32, one dimension, [batch + 1]; megatron-core turns the
+        causal mask into TE's ``padding_causal``, which THD requires."""
         bounds = [0]
         for n in self.lengths:
             bounds.append(bounds[-1] + n)
         if bounds[-1] < self.capacity:
             bounds.append(self.capacity)
         return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+    @property
+    def max_seqlen(self) -> int:
+        """The longest segment of ``cu_seqlens`` (the padding tail included), for THD's
+        ``max_seqlen_q``/``kv``: TE sizes its kernels by it and megatron its RoPE table
+        (``get_rotary_seq_len``). Below the row's length whenever the row holds two segments:
+        megatron's unfused THD RoPE, given a table as long as the row, places each sequence at
+        its offset in the row instead of at position 0."""
+        return max(self.lengths + [self.capacity - sum(self.lengths)])
 
     def unpack_values(self, row_values: torch.Tensor) -> torch.Tensor:
         """``[1, T]`` or ``[T]`` next-aligned values (about predicting the next token) -> ``[n, L]``
