@@ -7,13 +7,18 @@ cap. The same prompts, seeds and lengths run three ways, on the same two engines
 
 - **barrier**: ``EngineFleet.generate`` over chunks of ``--chunk`` prompts, each split over the
   replicas and ended by a gather on rank 0, as a phase was generated before this change;
-- **stream**: each replica runs ``generate_stream`` over its share of the phase (the trainer's
-  path), ended by one agreement;
+- **stream**: each replica runs ``generate_stream`` over its share of the phase with its whole
+  share queued in the engine at once (the trainer's path before the queue was bounded), ended
+  by one agreement;
+- **bounded**: the same with the trainer's default queue (``phase_generation.inflight_prompts``:
+  twice what the engine runs at once, 2 x max_num_seqs / G prompts; vLLM-CPU's max_num_seqs is
+  256 at TP1, ``--max-num-seqs`` sets it);
 - **bare**: each replica hands its whole share to one ``LLM.generate`` call, ended by a barrier.
 
 Reported: tokens/s over both replicas (wall clock from a common start to the last replica's end)
 and the engine idle fraction (the share of the wall clock a replica spent outside its engine,
-waiting for the other). Goal: stream >= 1.3x barrier and within 10% of bare.
+waiting for the other). Goals: stream >= 1.3x barrier and within 10% of bare; bounded as fast
+as stream (its share must exceed the queue for the two to differ: ``--prompts 1024``).
 
     python benchmarks/long_tail.py [--prompts 256] [--chunk 64] [--cap 256] [--quick]
 
@@ -54,7 +59,7 @@ def worker(args) -> None:
     from mugrpo_megatron.engines import SamplingSpec
     from mugrpo_megatron.engines.fleet import EngineFleet
     from mugrpo_megatron.engines.vllm_engine import VLLMEngine
-    from mugrpo_megatron.phase_generation import share
+    from mugrpo_megatron.phase_generation import inflight_prompts, share
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -70,7 +75,8 @@ def worker(args) -> None:
         return p
 
     VLLMEngine._params = staticmethod(forced)  # this benchmark's workload, not a patch of vLLM
-    cfg = RolloutConfig(placement="spmd", cpu_kv_cache_gib=2.0, seed=0)
+    cfg = RolloutConfig(placement="spmd", cpu_kv_cache_gib=2.0, seed=0, group_size=G,
+                        max_num_seqs=args.max_num_seqs)
     fleet = EngineFleet.start(cfg, args.model, dtype="float32", max_model_len=32 + args.cap)
     engine = fleet.engine
     prompts = [[5 + (i * 7 + j) % 300 for j in range(8 + i % 8)] for i in range(args.prompts)]
@@ -116,6 +122,17 @@ def worker(args) -> None:
         fleet.agree("")
         return busy, tokens
 
+    window = inflight_prompts(cfg, engine.streams, engine.max_running_sequences)
+
+    def bounded_mode():
+        t = time.perf_counter()
+        tokens = sum(len(g.token_ids) for _, gs in engine.generate_stream(
+            [prompts[i] for i in mine], spec, positions=mine.tolist(), max_in_flight=window)
+            for g in gs)
+        busy = time.perf_counter() - t
+        fleet.agree("")
+        return busy, tokens
+
     def bare_mode():
         from vllm.inputs import TokensPrompt
 
@@ -126,8 +143,10 @@ def worker(args) -> None:
         return busy, sum(len(c.token_ids) for o in outs for c in o.outputs)
 
     results = {}
-    for name, fn in [("barrier", barrier_mode), ("stream", stream_mode), ("bare", bare_mode)]:
+    for name, fn in [("barrier", barrier_mode), ("stream", stream_mode),
+                     ("bounded", bounded_mode), ("bare", bare_mode)]:
         res = timed(fn)
+        res["window"] = window if name == "bounded" else len(mine)
         both = [None, None]
         dist.all_gather_object(both, res)
         results[name] = both
@@ -146,12 +165,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="an HF model dir (default: a tiny Llama)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "long_tail.json"))
-    ap.add_argument("--quick", action="store_true", help="32 prompts, chunks of 8, cap 64")
+    ap.add_argument("--max-num-seqs", type=int, default=0,
+                    help="sequences an engine runs at once (0: vLLM's default)")
+    ap.add_argument("--quick", action="store_true",
+                    help="32 prompts, chunks of 8, cap 64, engines of 8 sequences")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
-        args.prompts, args.chunk, args.cap = 32, 8, 64
+        args.prompts, args.chunk, args.cap, args.max_num_seqs = 32, 8, 64, 8
         args.out = str(Path(tempfile.gettempdir()) / "long_tail_quick.json")
     if args.worker:
         worker(args)
@@ -167,7 +189,8 @@ def main() -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                __file__, "--worker", "--result", str(result), "--model", args.model,
                "--prompts", str(args.prompts), "--chunk", str(args.chunk), "--cap", str(args.cap),
-               "--tail-frac", str(args.tail_frac), "--seed", str(args.seed)]
+               "--tail-frac", str(args.tail_frac), "--seed", str(args.seed),
+               "--max-num-seqs", str(args.max_num_seqs)]
         env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING",
                    PYTHONWARNINGS="ignore")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -183,18 +206,21 @@ def main() -> int:
         idle = float(np.mean([1 - r["busy"] / wall for r in both]))
         summary[name] = {"tokens_per_s": tokens / wall, "idle_frac": idle, "wall_s": wall,
                          "tokens": tokens}
-        rows.append([name, tokens, wall, tokens / wall, idle])
-    print(table(["mode", "tokens", "wall s", "tokens/s", "engine idle fraction"], rows))
+        rows.append([name, both[0]["window"], tokens, wall, tokens / wall, idle])
+    print(table(["mode", "prompts queued", "tokens", "wall s", "tokens/s",
+                 "engine idle fraction"], rows))
     s = summary
     vs_barrier = s["stream"]["tokens_per_s"] / s["barrier"]["tokens_per_s"]
     vs_bare = s["stream"]["tokens_per_s"] / s["bare"]["tokens_per_s"]
     print(f"lengths: mean {lengths.mean():.1f}, median {np.median(lengths):.0f}, "
           f"{(lengths == args.cap).mean():.1%} at the cap {args.cap}; G = {G}, "
           f"{args.prompts} prompts, barrier chunks of {args.chunk}")
+    bounded = s["bounded"]["tokens_per_s"] / s["stream"]["tokens_per_s"]
     print(f"stream / barrier = {vs_barrier:.2f}x (goal >= 1.3); stream / bare = {vs_bare:.2f} "
-          f"(goal >= 0.9)")
+          f"(goal >= 0.9); bounded / stream = {bounded:.2f} (goal: no loss)")
     write_json(args.out, {"args": vars(args), "summary": summary, "raw": results,
-                          "stream_vs_barrier": vs_barrier, "stream_vs_bare": vs_bare})
+                          "stream_vs_barrier": vs_barrier, "stream_vs_bare": vs_bare,
+                          "bounded_vs_stream": bounded})
     # the three ways must do the same work (forced lengths); speed is reported, not enforced
     expected = G * int(lengths.sum())
     return 0 if all(v["tokens"] == expected for v in summary.values()) else 1

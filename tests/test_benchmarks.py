@@ -140,3 +140,14 @@ def test_prompt_scale_quick_opens_the_prompt_file_on_two_ranks(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "reuse" in proc.stdout and "peak RSS per rank grows" in proc.stdout
+
+
+def test_packing_quick_counts_tokens_and_times_both_ways():
+    """benchmarks/packing.py --quick: learner tokens an update padded, padded per microbatch and
+    packed at the 70B shape, and a CPU update of the real learner both ways (printed, not
+    asserted), end to end."""
+    proc = subprocess.run([sys.executable, "benchmarks/packing.py", "--quick"], cwd=ROOT,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "packed / padded tokens" in proc.stdout and "packed is" in proc.stdout
