@@ -63,7 +63,7 @@ def test_prompt_file_holds_what_load_prompts_gives(tmp_path, tokenizer, model_di
     cfg = config(model_dir, tmp_path / "run", data, "data.on_bad_row=skip")
     expected, expected_report = load_prompts(cfg.data, tokenizer)
     path, done = prompt_paths(tmp_path / "run", prompt_key(cfg))
-    report = write_prompt_file(cfg, tokenizer, path, done, chunk_rows=7)  # many batches, some short
+    report = write_prompt_file(cfg, tokenizer, path, done, chunk_rows=7, batch_rows=20)  # many batches
     assert report == expected_report and report.num_skipped > 0
     assert report.skipped.keys() == {"missing prompt", "invalid JSON", "prompt too long"}
     prompts = PromptSet(path)
@@ -85,7 +85,7 @@ def test_a_bad_row_leaves_no_prompt_file(tmp_path, tokenizer, model_dir):
     cfg = config(model_dir, tmp_path / "run", write_jsonl(tmp_path / "t.jsonl", rows))
     path, done = prompt_paths(tmp_path / "run", prompt_key(cfg))
     with pytest.raises(ValueError, match=r"t\.jsonl: row 20 \(line 21\): field 'answer' is empty"):
-        write_prompt_file(cfg, tokenizer, path, done, chunk_rows=4)  # after 5 batches were written
+        write_prompt_file(cfg, tokenizer, path, done, chunk_rows=4, batch_rows=4)  # after 5 batches
     assert list((tmp_path / "run" / "prompts").iterdir()) == []
     path.write_bytes(b"half")  # an earlier writer killed before its record: not a prompt file
     with pytest.raises(ValueError, match="not a complete prompt file"):
@@ -117,7 +117,7 @@ def test_a_rank_holds_nothing_per_prompt(tmp_path, tokenizer, model_dir):
     rows = [{"question": f"What is {i} + {i % 7}?", "answer": str(i)} for i in range(24_000)]
     cfg = config(model_dir, tmp_path / "run", write_jsonl(tmp_path / "t.jsonl", rows))
     path, done = prompt_paths(tmp_path / "run", prompt_key(cfg))
-    write_prompt_file(cfg, tokenizer, path, done, chunk_rows=2048)
+    write_prompt_file(cfg, tokenizer, path, done, chunk_rows=1024, batch_rows=2048)
     import pyarrow as pa
 
     arrow_before = pa.total_allocated_bytes()
