@@ -33,7 +33,7 @@ def run(model: Path, run_dir: Path, mu: int, args) -> dict:
         "rollout.shard_prompts": 1024, "rollout.mismatch_check_samples": 0,
         "algo.total_updates": args.updates, "algo.updates_per_phase": mu,
         "algo.prompts_per_phase": per_update * mu // g, "algo.samples_per_update": per_update,
-        "algo.drop_uniform_groups": "false", "algo.seed": args.seed, "optim.lr": args.lr,
+        "algo.uniform_groups": "keep", "algo.seed": args.seed, "optim.lr": args.lr,
         "data.num_arithmetic_problems": 4096, "data.eval_path": "builtin:arithmetic",
         "data.eval_size": args.eval_size, "checkpoint.save_every_updates": 0,
         "checkpoint.keep_last": 1, "logging.run_dir": run_dir, "logging.progress": "false",

@@ -80,13 +80,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     # then, before any model, engine or data: the ranks agree that they share one run directory
     distributed.init_default_group(cfg.parallel.timeout_minutes)
     start = run_dir.agree(cfg, start)
-    from mugrpo_megatron.trainer import RunFailed, Trainer
+    from mugrpo_megatron.trainer import Trainer
 
     trainer = None
     try:
         trainer = Trainer(cfg, start)
         trainer.run()
-    except (RunFailed, outputs.DiskFull, distributed.RemoteFailure) as e:
+    except (outputs.RunFailed, outputs.DiskFull, distributed.RemoteFailure) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     except RuntimeError as e:

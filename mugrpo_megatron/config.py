@@ -290,9 +290,23 @@ class AlgoConfig(_Section):
     """Tokens removed once a veto triggers: 'suffix' is the paper's S_kappa (after the first trigger)."""
     adv_eps: float = 1e-6
     """eps in A = (r - mean) / (std + eps)."""
-    drop_uniform_groups: bool = True
-    """Leave out of training the prompts whose G responses all got the same reward (A = 0 for all;
-    they only dilute the token count). They are counted either way."""
+    uniform_groups: Literal["keep", "drop", "drop_once"] = "keep"
+    """Groups whose G responses all got the same reward (A = 0 on every token). 'keep': trained
+    on like any sample, each once a pass; they add nothing to the gradient but count in the token
+    mean, which shrinks the step by their share (GRPO in TRL and verl). 'drop': left out, and the
+    mu updates of samples_per_update draw from the rest, so each remaining sample is trained on
+    1 / (1 - uniform fraction) times as often: staler than the paper's. 'drop_once': left out,
+    and each update takes the rest / mu (a multiple of DP x micro_batch_size): one pass, smaller
+    and noisier updates, nothing reused. Uniform groups are counted and logged either way, with
+    the passes each phase made."""
+    behaviour_logprobs: Literal["engine", "learner"] = "engine"
+    """The behaviour policy's log-probs the ratios divide by. 'engine': the engine's, as it
+    sampled (the paper's bypass; no extra pass). 'learner': the learner scores every response of
+    a phase once, before its first update, with the weights the engine sampled from, and keeps
+    them beside the engine's (rollouts/phase_N/behaviour_learner.arrow): one forward pass over
+    the phase's tokens, about a third of a training pass over them. On GPUs in bf16, or with an
+    FP8 engine, the two differ by 1e-3 or more a token, which moves ratios near the veto's
+    trigger; the phase log has that gap over every token, and the seconds the pass took."""
     seed: int = 1234
     """Seed for prompt order, minibatch shuffling and the learner's initialisation."""
 

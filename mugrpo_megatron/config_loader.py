@@ -70,7 +70,9 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
 
 
 RENAMED = {"model.recompute_activations": "model.recompute: none, selective or full (true was "
-                                          "full, false none)"}
+                                          "full, false none)",
+           "algo.drop_uniform_groups": "algo.uniform_groups: keep, drop or drop_once (true was "
+                                       "drop, false keep)"}
 """Keys of earlier releases, and what a config now says instead."""
 
 

@@ -136,6 +136,10 @@ class DiskFull(RuntimeError):
     """A write failed for want of space; the message says where, what was kept, what to do."""
 
 
+class RunFailed(RuntimeError):
+    """A failure that ends a training run; the message says what was kept and how to resume."""
+
+
 _FULL_TEXT = ("No space left on device", "Disk quota exceeded", "unexpected pos",
               "PytorchStreamWriter failed writing")
 

@@ -9,6 +9,9 @@
                                 response in phase order (group, then sample), the shard and row
                                 it lives in, reward, advantage, length, and whether its group is
                                 uniform. Its presence means the phase is generated.
+        behaviour_learner.arrow with algo.behaviour_logprobs: learner, the learner's log-prob of
+                                every response token under the weights the engine sampled from,
+                                in phase order (written before the phase's first update)
 
 Why Arrow IPC (uncompressed): token ids and log-probs are list columns (int32 offsets and flat
 values) at fixed places in the file, so a reader fetches one row's tokens with one ``pread`` and
@@ -282,6 +285,85 @@ def _allow_open_files(n: int) -> None:
                              f" raise rollout.shard_prompts (fewer, larger shards) or `ulimit -n`")
 
 
+BEHAVIOUR_FILE = "behaviour_learner.arrow"
+_LOGP_SCHEMA = pa.schema([("logprobs", pa.list_(pa.float32()))])
+
+
+class LearnerLogprobWriter:
+    """Writes the learner's behaviour log-probs of a phase's responses, in phase order, a chunk
+    of rows at a time (beside its name, fsynced, renamed when ``close`` finds every row)."""
+
+    def __init__(self, directory: Path, num_samples: int):
+        self.path = directory / BEHAVIOUR_FILE
+        self.tmp = directory / f".{BEHAVIOUR_FILE}.tmp"
+        self.num_samples, self.rows = num_samples, 0
+        self._sink = pa.OSFile(str(self.tmp), "wb")
+        self._writer = pa.ipc.new_file(self._sink, _LOGP_SCHEMA)
+
+    def add(self, logprobs: Sequence[np.ndarray]) -> None:
+        with outputs.guard(self.path, "behaviour log-probs", kept=outputs.KEPT,
+                           then=outputs.RESUME):
+            self._writer.write_batch(pa.record_batch(
+                [_list_column(logprobs, np.float32, pa.float32())], schema=_LOGP_SCHEMA))
+        self.rows += len(logprobs)
+
+    def close(self) -> None:
+        with outputs.guard(self.path, "behaviour log-probs", kept=outputs.KEPT,
+                           then=outputs.RESUME):
+            self._writer.close()
+            self._sink.close()
+            if self.rows != self.num_samples:
+                raise ValueError(f"{self.rows} rows of behaviour log-probs for a phase of "
+                                 f"{self.num_samples}")
+            with open(self.tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        for closing in (self._writer.close, self._sink.close):
+            try:
+                closing()
+            except (OSError, pa.ArrowException):
+                pass
+        self.tmp.unlink(missing_ok=True)
+
+
+class _LogprobFile:
+    """The learner's behaviour log-probs, read row by row with ``pread``: each row's file position
+    and length in memory (12 bytes a response, as the shards' offsets), found once through a map
+    of the file that is closed again."""
+
+    def __init__(self, path: Path, num_samples: int):
+        src = pa.memory_map(str(path))
+        try:
+            base = src.read_buffer(1).address
+            reader = pa.ipc.open_file(src)
+            at, lengths = [], []
+            for k in range(reader.num_record_batches):
+                column = reader.get_batch(k).column(0)
+                offsets = column.offsets.to_numpy().astype(np.int64)
+                start = column.values.buffers()[1].address - base if len(column.values) else 0
+                at.append(start + 4 * offsets[:-1])
+                lengths.append(np.diff(offsets))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ValueError(f"{path}: not a readable behaviour log-prob file ({e})") from e
+        finally:
+            src.close()
+        self.at = np.concatenate(at) if at else np.zeros(0, dtype=np.int64)
+        self.length = np.concatenate(lengths).astype(np.int32) if lengths else \
+            np.zeros(0, dtype=np.int32)
+        if len(self.at) != num_samples:
+            raise ValueError(f"{path}: {len(self.at)} rows for a phase of {num_samples}")
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def row(self, i: int) -> np.ndarray:
+        return np.frombuffer(os.pread(self.fd, int(self.length[i]) * 4, int(self.at[i])),
+                             dtype=np.float32)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class PhaseData:
     """A generated phase as the learner sees it, on every rank, without holding it: the index's
     columns as numpy and each shard open for reading. ``batch(rows)`` reads just those rows."""
@@ -305,6 +387,15 @@ class PhaseData:
         self.train_rows = np.flatnonzero(~self.uniform) if drop_uniform else \
             np.arange(len(self.reward))
         """Rows the updates draw from (the scheduler's sample indices index this)."""
+        self._learner: _LogprobFile | None = None
+
+    def has_learner_logprobs(self) -> bool:
+        return (self.directory / BEHAVIOUR_FILE).exists()
+
+    def use_learner_logprobs(self) -> None:
+        """From now on ``batch`` gives the learner's behaviour log-probs (``BEHAVIOUR_FILE``)
+        instead of the engine's."""
+        self._learner = _LogprobFile(self.directory / BEHAVIOUR_FILE, self.num_samples)
 
     @property
     def num_samples(self) -> int:
@@ -322,14 +413,22 @@ class PhaseData:
         for sh in self.shards:
             sh.close()
         self.shards = []
+        if self._learner is not None:
+            self._learner.close()
+            self._learner = None
 
-    def batch(self, rows: Sequence[int] | np.ndarray, pad_id: int = 0,
-              multiple_of: int = 1) -> TrainBatch:
+    def batch(self, rows: Sequence[int] | np.ndarray, pad_id: int = 0, multiple_of: int = 1,
+              behaviour: str = "") -> TrainBatch:
         """Right-padded prompt+response rows for phase rows ``rows``: reads those rows from the
-        shards and nothing else. Memory and time: the batch, whatever the phase's size."""
+        shards and nothing else. Memory and time: the batch, whatever the phase's size. The
+        behaviour log-probs are the learner's after ``use_learner_logprobs``, else the engine's;
+        ``behaviour='engine'`` asks for the engine's whatever was chosen."""
         rows = np.asarray(rows, dtype=np.int64)
-        return padded_batch([self.response(int(i)) for i in rows], self.advantage[rows], pad_id,
-                            multiple_of)
+        learner = self._learner if behaviour != "engine" else None
+        picked = [self.response(int(i)) for i in rows]
+        if learner is not None:
+            picked = [(p, r, learner.row(int(i))) for (p, r, _), i in zip(picked, rows)]
+        return padded_batch(picked, self.advantage[rows], pad_id, multiple_of)
 
     def stats(self) -> dict:
         """The phase's summary numbers (vectorised over the index)."""

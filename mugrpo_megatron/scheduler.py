@@ -89,14 +89,23 @@ class PhaseScheduler:
         for i in range(self.num_phases):
             yield self.phase(i)
 
-    def minibatches(self, phase: Phase, num_samples: int) -> Iterator[Minibatch]:
-        """The ``phase.num_updates`` minibatches over ``num_samples`` samples (after any filtering).
+    def update_size(self, num_samples: int, once: bool, quantum: int = 1) -> int:
+        """Samples an update takes: ``samples_per_update`` (all of them when the phase has fewer),
+        or with ``once`` the phase's samples / mu, so that mu updates are one pass; a multiple of
+        ``quantum`` (the learner's DP x micro-batch) either way, and at least one quantum."""
+        size = min(self.samples_per_update, num_samples)
+        if once:
+            size = min(size, num_samples // self.updates_per_phase)
+        return max(quantum, size // quantum * quantum)
 
-        When filtering left fewer samples than ``samples_per_update``, each update takes them all.
-        """
+    def minibatches(self, phase: Phase, num_samples: int, size: int | None = None
+                    ) -> Iterator[Minibatch]:
+        """The ``phase.num_updates`` minibatches over ``num_samples`` samples (after any
+        filtering), of ``size`` samples (default: ``samples_per_update``, or all when filtering
+        left fewer)."""
         if num_samples < 1:
             raise ValueError(f"phase {phase.index} has no samples to train on")
-        size = min(self.samples_per_update, num_samples)
+        size = min(size or self.samples_per_update, num_samples)
         per_epoch = num_samples // size
         for step in range(phase.num_updates):
             epoch, slot = divmod(step, per_epoch)
@@ -106,10 +115,10 @@ class PhaseScheduler:
             yield Minibatch(update=phase.first_update + step, step_in_phase=step, epoch=epoch,
                             sample_indices=tuple(int(i) for i in chosen))
 
-    def epochs_per_phase(self, num_samples: int) -> float:
-        """Passes over the phase's data that mu updates make (for logging)."""
-        size = min(self.samples_per_update, num_samples)
-        return self.updates_per_phase * size / num_samples
+    def passes(self, num_samples: int, size: int | None = None) -> float:
+        """Passes over the phase's ``num_samples`` samples that mu updates of ``size`` make."""
+        return self.updates_per_phase * min(size or self.samples_per_update, num_samples) \
+            / num_samples
 
     def _permutation(self, n: int, stream: int, epoch: int) -> torch.Tensor:
         mixed = (self.seed * 0x9E3779B1 + stream * 0x85EBCA6B + epoch * 0xC2B2AE35) % (1 << 63)
@@ -121,8 +130,13 @@ def describe_schedule(cfg: Config) -> str:
     """The schedule in words, for ``plan`` and the dry run."""
     a, g = cfg.algo, cfg.rollout.group_size
     samples = a.prompts_per_phase * g
-    epochs = a.updates_per_phase * a.samples_per_update / samples
+    passes = a.updates_per_phase * a.samples_per_update / samples
+    reuse = {"keep": f"{passes:.2f} passes over the phase's samples, uniform groups kept at A = 0",
+             "drop": f"{passes:.2f} passes over the phase's samples, and 1 / (1 - the uniform "
+                     f"fraction) times that over the rest once uniform groups are dropped",
+             "drop_once": f"uniform groups dropped, then {min(passes, 1.0):.2f} passes over the "
+                          f"rest in updates of (1 - the uniform fraction) x "
+                          f"{a.samples_per_update}"}[a.uniform_groups]
     return (f"{a.num_phases} phases x mu={a.updates_per_phase} updates = {a.total_updates} updates "
             f"and {a.num_phases} weight syncs; each phase {a.prompts_per_phase} prompts x G={g} = "
-            f"{samples} responses, {a.samples_per_update} per update ({epochs:.2f} epochs over the "
-            f"phase's data, before uniform groups are dropped)")
+            f"{samples} responses, {a.samples_per_update} per update ({reuse})")

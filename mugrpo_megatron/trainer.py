@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,8 @@ from mugrpo_megatron.learner.checkpoint import load_learner, prune, save_learner
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.metrics import MetricsLogger
+from mugrpo_megatron.outputs import RunFailed
+from mugrpo_megatron.phase_checks import check_packing, mismatch_gap, score_behaviour
 from mugrpo_megatron.phase_generation import (
     ReplicaCounts,
     ShardWriter,
@@ -43,28 +45,9 @@ from mugrpo_megatron.phase_generation import (
 from mugrpo_megatron.phase_store import PhaseData, finalize, is_generated, phase_dir
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
-from mugrpo_megatron.rollout import LogprobGap, logprob_gap
+from mugrpo_megatron.rollout import LogprobGap
 from mugrpo_megatron.run_dir import record_start
 from mugrpo_megatron.scheduler import Phase, PhaseScheduler
-
-
-class RunFailed(RuntimeError):
-    """A failure that ends the run; the message says what was kept and how to resume."""
-
-
-PACKING_CHECK_ROWS = 8
-"""Rows of a phase scored both packed and padded at a run's first mismatch check."""
-
-
-def packing_tolerance(cfg: Config) -> float:
-    """The mean |log p packed - log p padded| over response tokens above which packing is taken
-    to be broken. The two paths differ only in kernels and summation order: ~1e-6 in fp32, a few
-    1e-3 in bf16, more with FP8's per-tensor scales (its activations' amax depends on the rows a
-    tensor holds). Attention across the sequences of a row (a layout mistake) changes every
-    later sequence of the row by far more: 0.38 nats a token on average, 2.1 at most, on the tiny
-    model of ``tests/test_trainer.py``, where correct packing differs by 4e-7."""
-    tolerance = 1e-3 if cfg.model.dtype == "float32" else 0.05
-    return 2 * tolerance if cfg.model.fp8_format else tolerance
 
 
 @dataclass
@@ -152,6 +135,8 @@ class Trainer:
                 continue  # finished before a restart
             times = PhaseTimes()
             data = self.rollout(phase, times)
+            if self.cfg.algo.behaviour_logprobs == "learner":
+                self.behaviour_from_learner(phase, data, times)
             self.optimize(phase, data, times)
             data.close()
         self.sync_weights()
@@ -182,7 +167,22 @@ class Trainer:
                 t0 = time.perf_counter()
                 self.engines.sleep()
                 times.switch += time.perf_counter() - t0
-        return PhaseData(directory, drop_uniform=self.cfg.algo.drop_uniform_groups)
+        return PhaseData(directory, drop_uniform=self.cfg.algo.uniform_groups != "keep")
+
+    def behaviour_from_learner(self, phase: Phase, data: PhaseData, times: PhaseTimes) -> None:
+        """``algo.behaviour_logprobs: learner``: the learner scores every response of the phase
+        before its first update (its weights are still the ones the engine sampled from); rank 0
+        writes the log-probs beside the shards, and the phase's ratios divide by them. A resume
+        finds them there (``phase_checks.score_behaviour``)."""
+        if not self._from_rank0(data.has_learner_logprobs() if self.rank0 else None):
+            if self.start_update > phase.first_update:
+                raise RunFailed(f"phase {phase.index}: the learner's behaviour log-probs are "
+                                f"missing in {data.directory}, and the learner has trained past "
+                                f"the phase's start, so they cannot be computed again")
+            times.extra.update(score_behaviour(
+                self.learner, data, self.cfg.algo.samples_per_update,
+                self.tokenizer.pad_token_id or 0, write=self.rank0))
+        data.use_learner_logprobs()
 
     @contextmanager
     def learner_offloaded(self, times: PhaseTimes | None = None):
@@ -285,21 +285,25 @@ class Trainer:
 
     def optimize(self, phase: Phase, data: PhaseData, times: PhaseTimes) -> None:
         """mu updates over the phase's samples; checkpoints; per-update and per-phase metrics."""
-        train = data.train_rows  # phase rows the updates draw from (uniform groups dropped)
+        train = data.train_rows  # phase rows the updates draw from (uniform groups dropped?)
         gap = self.mismatch_check(data)
         packing = self.check_packing(data)
         quantum = self.learner.layout.dp_size * self.cfg.parallel.micro_batch_size
+        size = self.schedule.update_size(len(train), self.cfg.algo.uniform_groups == "drop_once",
+                                         quantum) if len(train) else 0
+        used = 0  # samples the phase's updates take, all mu of them (resumed or not)
         first = max(self.start_update, phase.first_update)
         bar = self.progress.bar(f"phase {phase.index} optimize",
                                 total=phase.first_update + phase.num_updates - first)
         skipped, t_eval = 0, 0.0
         t_opt = time.perf_counter()
         t_data = 0.0
-        for mb in (self.schedule.minibatches(phase, len(train)) if len(train) else []):
-            if mb.update < first:
-                continue
+        for mb in (self.schedule.minibatches(phase, len(train), size) if len(train) else []):
             rows = train[np.asarray(mb.sample_indices, dtype=np.int64)]
             rows = rows[:len(rows) - len(rows) % quantum]
+            used += len(rows)
+            if mb.update < first:
+                continue
             if not len(rows):
                 skipped += 1
                 self._log_update(mb.update, {"skipped": True, "reason": "too few samples"})
@@ -315,6 +319,7 @@ class Trainer:
             n_tok = int(data.response_len[rows].sum())
             self._log_update(mb.update, {
                 "phase": phase.index, "staleness": mb.step_in_phase, "epoch": mb.epoch,
+                "samples": len(rows),
                 "loss": step.loss, "grad_norm": step.grad_norm, "lr": step.lr,
                 "skipped": step.skipped, "reason": step.reason, "seconds": step.seconds,
                 "tokens_per_s": n_tok / step.seconds if step.seconds else 0.0,
@@ -333,6 +338,9 @@ class Trainer:
         self.mark_memory("optimize", phase.index)
         times.optimize = time.perf_counter() - t_opt - t_eval  # the held-out curve is not training
         times.extra["batch_read_seconds"] = t_data  # reading rows from the shards, in optimize
+        # the passes over what the updates drew from, as made (the uniform-group policy decides)
+        times.extra.update(passes=used / len(train) if len(train) else 0.0,
+                           uniform_policy=self.cfg.algo.uniform_groups)
         if t_eval:
             times.extra["eval_seconds"] = t_eval
         self.save(phase.first_update + phase.num_updates, phase.index)
@@ -344,51 +352,16 @@ class Trainer:
         """Score a few of the engine's own samples, read back from the shards, with the learner:
         the train/inference gap. The rows are spread over the phase, so every replica's share
         (and so every replica's copy of the weights) is checked."""
-        rows = self._spread_rows(data, self.cfg.rollout.mismatch_check_samples)
-        if len(rows) == 0:
-            return None
-        batch = data.batch(rows, self.tokenizer.pad_token_id or 0)
-        logp, _ = self.learner.logprobs(batch)
-        return logprob_gap(logp, batch)
+        return mismatch_gap(self.learner, data, self.cfg.rollout.mismatch_check_samples,
+                            self.tokenizer.pad_token_id or 0)
 
     def check_packing(self, data: PhaseData) -> LogprobGap | None:
         """Where the learner packs (``parallel.pack_tokens``), once a run, at its first mismatch
-        check: score rows spread over the phase packed and padded, and stop the run if they
-        differ beyond ``packing_tolerance``. On a GPU packing runs Transformer Engine's THD
-        attention, kernels and layout rules that no CPU test runs; the padded path is the one
-        every layout test checks. Costs two forward passes of a few rows, once."""
+        check: the packed path against the padded one (``phase_checks.check_packing``)."""
         if not self.learner.pack_capacity or self._packing_checked:
             return None
         self._packing_checked = True
-        rows = self._spread_rows(data, PACKING_CHECK_ROWS)
-        if len(rows) == 0:
-            return None
-        batch = data.batch(rows, self.tokenizer.pad_token_id or 0)
-        packed, _ = self.learner.logprobs(batch)
-        padded, _ = self.learner.logprobs(batch, packed=False)
-        diff = logprob_gap(packed, replace(batch, behav_logp=padded))
-        tolerance = packing_tolerance(self.cfg)
-        if diff.mean > tolerance:
-            path = "Transformer Engine's THD attention" if self.learner.uses_thd else \
-                "a block-diagonal attention mask"
-            raise RunFailed(
-                f"packed sequences score differently from padded ones: mean |log p packed - "
-                f"log p padded| {diff.mean:.3g} (max {diff.max:.3g}) over {diff.num_tokens} "
-                f"response tokens of {len(rows)} rows, above the {tolerance:g} that "
-                f"{self.cfg.model.dtype}{' with FP8' if self.cfg.model.fp8_format else ''} "
-                f"allows. Packing goes through {path}, which computes something else on this "
-                f"setup; no update of this start trained on it. Set parallel.pack_tokens: 0 to "
-                f"pad instead (more tokens an update: see its docs), and please report this with "
-                f"your Transformer Engine and megatron-core versions. Everything in "
-                f"{self.run_dir} was kept; the run resumes with the same command.")
-        return diff
-
-    def _spread_rows(self, data: PhaseData, n: int) -> np.ndarray:
-        """Up to ``n`` rows spread evenly over the phase (so over every replica's share), a
-        multiple of the data-parallel size (the learner splits them over its ranks)."""
-        n = min(n, data.num_samples)
-        rows = np.unique(np.linspace(0, data.num_samples - 1, n).round().astype(np.int64))
-        return rows[:len(rows) - len(rows) % self.learner.layout.dp_size]
+        return check_packing(self.learner, data, self.cfg, self.tokenizer.pad_token_id or 0)
 
     def save(self, update: int, phase: int) -> None:
         save_learner(self.learner, self.ckpt_dir / f"update_{update:07d}",
@@ -477,8 +450,6 @@ class Trainer:
         stats = data.stats()
         values = {
             "phase": phase.index, "first_update": phase.first_update, **stats,
-            "epochs": self.schedule.epochs_per_phase(len(data.train_rows))
-            if len(data.train_rows) else 0.0,
             "engine_replicas": self.engines.num_replicas,
             "skipped_updates": skipped, "sync_seconds": times.sync, "switch_seconds": times.switch,
             "generate_seconds": times.generate, "score_seconds": times.score,

@@ -56,10 +56,13 @@ def test_paper_miniature_quick_mode_has_a_learning_signal(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "starting from the SFT policy in" in proc.stdout
     r = json.loads(out.read_text())
-    s = r["summary"]["mugrpo"]
+    key = r["tables"]["grid"][0][0]  # Mu-GRPO at mu 32, uniform groups kept (the default)
+    assert key == "mugrpo_mu32_keep"
+    s = r["summary"][key]
     assert s["seeds"] == 2 and 0.2 <= s["before"] <= 0.6
     assert s["after"] - s["before"] > s["after_max"] - s["after_min"]
-    assert all(run["syncs"] == 1 and run["skipped_updates"] == 0 for run in r["runs"]["mugrpo"])
+    assert all(run["syncs"] == 1 and run["skipped_updates"] == 0 for run in r["runs"][key])
+    assert all(run["passes"] == 1.0 for run in r["runs"][key])  # each sample once
 
 
 def test_miniature_sft_learns_and_a_stale_policy_is_refused(tmp_path):

@@ -46,7 +46,26 @@ def test_many_updates_cycle_reshuffled_epochs():
     # over many epochs every sample is used about equally often
     counts = Counter(i for m in mbs for i in m.sample_indices)
     assert set(counts) == set(range(64))
-    assert s.epochs_per_phase(64) == pytest.approx(40 * 10 / 64)
+    assert s.passes(64) == pytest.approx(40 * 10 / 64) == sum(counts.values()) / 64
+
+
+@pytest.mark.parametrize("num_samples", [640, 613, 300, 41])
+def test_uniform_groups_dropped_once_use_each_sample_once(num_samples):
+    """uniform_groups: drop_once. What is left after dropping uniform groups (num_samples of a
+    phase made for mu x samples_per_update = 640) is cut into mu updates of num_samples / mu (a
+    multiple of the learner's quantum): each sample is used once at most, and passes() says how
+    many passes the updates made."""
+    s = make(16, prompts_per_phase=160, group_size=4, samples_per_update=40, total_updates=64)
+    size = s.update_size(num_samples, once=True, quantum=2)
+    mbs = list(s.minibatches(s.phase(0), num_samples, size))
+    used = [i for m in mbs for i in m.sample_indices]
+    assert len(mbs) == 16 and all(len(m.sample_indices) == size for m in mbs)
+    assert size % 2 == 0 and size <= 40
+    if num_samples >= 32:  # at least one quantum an update without reuse
+        assert len(used) == len(set(used)) and len(used) > num_samples - 16 * 2
+    assert s.passes(num_samples, size) == pytest.approx(len(used) / num_samples)
+    # 'drop' instead: mu updates of samples_per_update from what is left, reused
+    assert s.update_size(num_samples, once=False, quantum=2) == min(40, num_samples) // 2 * 2
 
 
 def test_deterministic_and_seed_dependent():

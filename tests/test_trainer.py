@@ -138,6 +138,10 @@ def test_two_phases_end_to_end_at_tp2(setup):
     assert [f.suffix for f in sorted((ref / "prompts").iterdir())] == [".arrow", ".json"]
     updates = [r for r in recs if r["kind"] == "update"]
     assert len(updates) == 9 and not any(u["skipped"] for u in updates)
+    for p in phases:  # uniform_groups: keep (the default): 3 updates of 16 over 32 samples
+        took = sum(u["samples"] for u in updates if u["phase"] == p["phase"])
+        assert p["uniform_policy"] == "keep" and p["num_train_samples"] == 32
+        assert p["passes"] == took / 32 == 1.5, p
     assert any(abs(u["loss"]) > 1e-6 for u in updates)
     assert [u["staleness"] for u in updates] == [0, 1, 2] * 3
     assert {r["label"] for r in recs if r["kind"] == "eval"} == {"before", "after"}
@@ -183,6 +187,31 @@ def test_learner_offloaded_while_generating(setup):
                      ("generate", False, "awake"), ("evaluate", False, "awake"),
                      ("optimize", True, "asleep"), ("save", True, "asleep")}, where
     assert sum(m["transition"] == "evaluate" for m in memory) == 4
+
+
+def test_behaviour_from_the_learner_and_uniform_groups_dropped_once(setup):
+    """algo.behaviour_logprobs: learner: before each phase's first update the learner scores
+    every response of the phase, and its log-probs, kept beside the shards, equal the engine's
+    within the fp32 gap over every response token (the phase log's behaviour_gap). And
+    algo.uniform_groups: drop_once: the passes the phase log states are what its updates took
+    (their samples over the phase's train samples), one at most unless fewer train samples are
+    left than mu updates of one quantum (DP 1 x micro-batch 4) need."""
+    d, hf, _ = setup
+    run = d / "learner_behaviour"
+    run_to_end(hf, run, {"algo.behaviour_logprobs": "learner", "algo.uniform_groups": "drop_once",
+                         **PHASE_END_SAVES})
+    recs = records(run)
+    phases = [r for r in recs if r["kind"] == "phase"]
+    assert [p["phase"] for p in phases] == [0, 1, 2]
+    for p in phases:
+        assert p["behaviour_gap_max"] < 1e-4 and p["behaviour_seconds"] > 0, p
+        assert (run / "rollouts" / f"phase_{p['phase']:04d}" / "behaviour_learner.arrow").exists()
+        took = sum(u["samples"] for u in recs if u["kind"] == "update"
+                   and u["phase"] == p["phase"])
+        assert p["uniform_policy"] == "drop_once"
+        assert p["passes"] == pytest.approx(took / p["num_train_samples"]), p
+        assert p["num_train_samples"] == 32 - 4 * p["uniform_groups"], p
+        assert p["passes"] <= 1 or p["num_train_samples"] < 3 * 4, p
 
 
 # Put into every process of a run through PYTHONPATH: packing made wrong on purpose, as a THD

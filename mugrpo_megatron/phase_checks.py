@@ -1,0 +1,123 @@
+"""What the learner scores of a generated phase besides training on it: the train/inference
+log-prob gap (every phase), the packed path against the padded one (once a run), and, with
+``algo.behaviour_logprobs: learner``, the behaviour log-probs of every response.
+
+All collective: every rank calls them with the same phase, and ``Learner.logprobs`` splits the
+rows over the data-parallel ranks and returns them whole on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mugrpo_megatron import distributed
+from mugrpo_megatron.config import Config
+from mugrpo_megatron.outputs import RunFailed
+from mugrpo_megatron.phase_store import LearnerLogprobWriter, PhaseData
+from mugrpo_megatron.rollout import LogprobGap, logprob_gap
+
+PACKING_CHECK_ROWS = 8
+"""Rows of a phase scored both packed and padded at a run's first mismatch check."""
+
+
+def spread_rows(num_samples: int, n: int, dp: int) -> np.ndarray:
+    """Up to ``n`` rows spread evenly over a phase (so over every replica's share), a multiple
+    of the data-parallel size ``dp`` (the learner splits them over its ranks)."""
+    n = min(n, num_samples)
+    rows = np.unique(np.linspace(0, num_samples - 1, n).round().astype(np.int64))
+    return rows[:len(rows) - len(rows) % dp]
+
+
+def mismatch_gap(learner, data: PhaseData, n: int, pad_id: int) -> LogprobGap | None:
+    """|learner log-prob - engine log-prob| on ``n`` of the engine's own samples, read back from
+    the shards: the train/inference gap of the weights the engine sampled with."""
+    rows = spread_rows(data.num_samples, n, learner.layout.dp_size)
+    if len(rows) == 0:
+        return None
+    batch = data.batch(rows, pad_id, behaviour="engine")
+    logp, _ = learner.logprobs(batch)
+    return logprob_gap(logp, batch)
+
+
+def packing_tolerance(cfg: Config) -> float:
+    """The mean |log p packed - log p padded| over response tokens above which packing is taken
+    to be broken. The two paths differ only in kernels and summation order: ~1e-6 in fp32, a few
+    1e-3 in bf16, more with FP8's per-tensor scales (its activations' amax depends on the rows a
+    tensor holds). Attention across the sequences of a row (a layout mistake) changes every
+    later sequence of the row by far more: 0.38 nats a token on average, 2.1 at most, on the tiny
+    model of ``tests/test_trainer.py``, where correct packing differs by 4e-7."""
+    tolerance = 1e-3 if cfg.model.dtype == "float32" else 0.05
+    return 2 * tolerance if cfg.model.fp8_format else tolerance
+
+
+def check_packing(learner, data: PhaseData, cfg: Config, pad_id: int) -> LogprobGap | None:
+    """Score rows spread over the phase packed and padded; ``RunFailed`` if they differ beyond
+    ``packing_tolerance``. On a GPU packing runs Transformer Engine's THD attention, kernels and
+    layout rules that no CPU test runs; the padded path is the one every layout test checks.
+    Two forward passes of a few rows."""
+    rows = spread_rows(data.num_samples, PACKING_CHECK_ROWS, learner.layout.dp_size)
+    if len(rows) == 0:
+        return None
+    batch = data.batch(rows, pad_id)
+    packed, _ = learner.logprobs(batch)
+    padded, _ = learner.logprobs(batch, packed=False)
+    diff = logprob_gap(packed, type(batch)(batch.tokens, batch.response_mask, padded,
+                                           batch.advantages))
+    tolerance = packing_tolerance(cfg)
+    if diff.mean > tolerance:
+        path = "Transformer Engine's THD attention" if learner.uses_thd else \
+            "a block-diagonal attention mask"
+        raise RunFailed(
+            f"packed sequences score differently from padded ones: mean |log p packed - "
+            f"log p padded| {diff.mean:.3g} (max {diff.max:.3g}) over {diff.num_tokens} "
+            f"response tokens of {len(rows)} rows, above the {tolerance:g} that "
+            f"{cfg.model.dtype}{' with FP8' if cfg.model.fp8_format else ''} allows. Packing "
+            f"goes through {path}, which computes something else on this setup; no update of "
+            f"this start trained on it. Set parallel.pack_tokens: 0 to pad instead (more "
+            f"tokens an update: see its docs), and please report this with your Transformer "
+            f"Engine and megatron-core versions. Everything in {cfg.logging.run_dir} was kept; "
+            f"the run resumes with the same command.")
+    return diff
+
+
+def score_behaviour(learner, data: PhaseData, chunk: int, pad_id: int, write: bool
+                    ) -> dict[str, float]:
+    """The learner's log-prob of every response token of the phase, ``chunk`` rows at a time,
+    written beside the shards by the rank with ``write`` (``phase_store.LearnerLogprobWriter``).
+    Returns the seconds it took and the gap to the engine's log-probs over every response token
+    (the same on every rank). Every rank reads every row of a chunk (``logprobs`` splits it over
+    the data-parallel ranks): the phase's shards DP times in all, once a phase."""
+    t0 = time.perf_counter()
+    n, dp = data.num_samples, learner.layout.dp_size
+    chunk = max(dp, chunk // dp * dp)
+    writer = LearnerLogprobWriter(data.directory, n) if write else None
+    gap_sum, gap_max, tokens, error = 0.0, 0.0, 0, ""
+    for lo in range(0, n, chunk):
+        rows = np.arange(lo, min(lo + chunk, n))
+        padded = np.concatenate([rows, np.full(-len(rows) % dp, rows[-1])])  # DP splits it
+        batch = data.batch(padded, pad_id, behaviour="engine")
+        logp, _ = learner.logprobs(batch)
+        mask = batch.response_mask[:len(rows)]
+        gap = (logp[:len(rows)] - batch.behav_logp[:len(rows)]).abs()[mask]
+        gap_sum, tokens = gap_sum + float(gap.sum()), tokens + int(gap.numel())
+        gap_max = max(gap_max, float(gap.max()) if gap.numel() else 0.0)
+        if writer is not None and not error:
+            try:  # the writer keeps scoring with the others, and says so at the end
+                writer.add([logp[k][mask[k]].numpy() for k in range(len(rows))])
+            except Exception as e:  # noqa: BLE001 - agreed on below
+                error = f"{type(e).__name__}: {e}"
+    if writer is not None and not error:
+        try:
+            writer.close()
+        except Exception as e:  # noqa: BLE001 - agreed on below
+            error = f"{type(e).__name__}: {e}"
+    if writer is not None and error:
+        writer.abort()
+    error = distributed.agree(error)
+    if error:
+        raise RunFailed(f"writing the learner's behaviour log-probs into {data.directory} failed "
+                        f"({error}). Kept: the phase's shards and index; resume by running again.")
+    return {"behaviour_seconds": time.perf_counter() - t0,
+            "behaviour_gap_mean": gap_sum / max(tokens, 1), "behaviour_gap_max": gap_max}
