@@ -4,15 +4,18 @@
    single-digit arithmetic until its sampled pass rate reaches ``--sft-target``.
 2. Run each row of the grid through ``python -m mugrpo_megatron train`` (the megatron-core
    learner and the vLLM engine users get; ``paper_miniature.yaml`` plus the row's overrides),
-   all rows with the same total updates and samples per update:
+   all rows with the same total updates (``--phases`` x M) and samples per update:
      GRPO mu=4 [0.8, 1.2] | GRPO mu=M [0.8, 1.2] | mu=M [0, 5] no veto |
      mu=M [0, 5] veto on triggers | Mu-GRPO: mu=M [0, 5] suffix veto |
-     (optional) suffix without triggers, whole sequence.
-   The two headline rows (GRPO mu=4, Mu-GRPO) run with ``--seeds`` seeds.
-3. Write the Table-1-shaped table and the curves of Figures 2-3 (PNG), and with ``--results-md``
-   replace this benchmark's section of benchmarks/RESULTS.md.
+     suffix without triggers | whole sequence.
+   The two headline rows (GRPO mu=4, Mu-GRPO) run with ``--seeds`` seeds, and with
+   ``--uniform-compare`` under the other two uniform-group policies as well
+   (``algo.uniform_groups``, ``--uniform-seeds`` seeds). ``--phase-sweep 2,4,8,16`` adds
+   Mu-GRPO at those phase counts, equal total updates (the paper's first open question).
+3. Write the Table-1-shaped table, the other two tables and the curves of Figures 2-3 (PNG), and
+   with ``--results-md`` replace this benchmark's section of benchmarks/RESULTS.md.
 
-    python benchmarks/paper_miniature.py                  # the full grid (~30 min on 2 cores)
+    python benchmarks/paper_miniature.py                  # the full grid (~60 min on 2 cores)
     python benchmarks/paper_miniature.py --quick          # ~1 min: the signal is there (CI)
     python benchmarks/paper_miniature.py --make-policy benchmarks/miniature_policy --eval-size 128
 
@@ -33,7 +36,6 @@ import hashlib
 import inspect
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import miniature_report as report  # noqa: E402
 import miniature_task  # noqa: E402
 from common import write_json  # noqa: E402
 
@@ -76,17 +79,63 @@ GRID = [
     Row("veto_sequence", "mu=M, [0, 5], whole sequence", True, (1.0, 4.0), "sequence"),
 ]
 DEFAULT_ROWS = ",".join(r.name for r in GRID)
-CURVES = [("clip_frac", "clip fraction"), ("veto_frac", "vetoed token fraction"),
-          ("rho_neg_mean", "E[rho | A < 0]"), ("abs_log_ratio_mean", "mean |log rho|")]
+POLICIES = ("keep", "drop", "drop_once")
+"""algo.uniform_groups' choices."""
 
 
-def _label(row: Row, mu: int) -> str:
-    return row.label.replace("mu=M", f"mu={mu}")
+@dataclass(frozen=True)
+class Job:
+    """One training run: a row of the grid at one mu, uniform-group policy and seed."""
+
+    row: Row
+    mu: int
+    uniform: str
+    seed: int
+
+    @property
+    def key(self) -> str:
+        """The setting (what the seeds of one table line share)."""
+        return f"{self.row.name}_mu{self.mu}_{self.uniform}"
+
+    @property
+    def label(self) -> str:
+        return self.row.label.replace("mu=M", f"mu={self.mu}")
 
 
-def run_row(row: Row, seed: int, model: Path, data: Path, run_dir: Path, args) -> dict:
+def jobs_for(args, rows: list[Row]) -> tuple[list[Job], dict[str, list]]:
+    """Every run, and what each table shows: {'grid': [(key, label)], 'uniform': [(key, label,
+    policy)], 'phases': [(key, phases, mu)]}."""
+    jobs: dict[str, Job] = {}
+    tables: dict[str, list] = {"grid": [], "uniform": [], "phases": []}
+
+    def add(row: Row, mu: int, uniform: str, seeds: int) -> str:
+        for seed in range(1, seeds + 1):
+            job = Job(row, mu, uniform, seed)
+            jobs.setdefault(f"{job.key}_s{seed}", job)
+        return Job(row, mu, uniform, 1).key
+
+    for row in rows:
+        mu = args.mu if row.large_mu else 4
+        key = add(row, mu, args.uniform, args.seeds if row.headline else 1)
+        tables["grid"].append((key, Job(row, mu, args.uniform, 1).label))
+    if args.uniform_compare:
+        for row in (r for r in rows if r.headline):
+            mu = args.mu if row.large_mu else 4
+            for policy in POLICIES:
+                seeds = args.seeds if policy == args.uniform else args.uniform_seeds
+                key = add(row, mu, policy, seeds)
+                tables["uniform"].append((key, Job(row, mu, policy, 1).label, policy))
+    mugrpo = next(r for r in GRID if r.name == "mugrpo")
+    for phases in args.phase_sweep:
+        key = add(mugrpo, args.updates // phases, args.uniform,
+                  args.seeds if args.updates // phases == args.mu else 1)
+        tables["phases"].append((key, phases, args.updates // phases))
+    return list(jobs.values()), {k: v for k, v in tables.items() if v}
+
+
+def run_job(job: Job, model: Path, data: Path, run_dir: Path, args) -> dict:
     """One training run through the package's CLI; its metrics, read back from metrics.jsonl."""
-    mu = args.mu if row.large_mu else 4
+    row, seed, mu = job.row, job.seed, job.mu
     sets = {
         "model.path": model, "data.path": data / "train.jsonl", "data.eval_path": data / "eval.jsonl",
         "data.eval_size": args.eval_size, "rollout.eval_samples": args.eval_samples,
@@ -95,7 +144,8 @@ def run_row(row: Row, seed: int, model: Path, data: Path, run_dir: Path, args) -
         "algo.prompts_per_phase": mu * args.samples_per_update // args.group_size,
         "algo.clip_low": row.clip[0], "algo.clip_high": row.clip[1],
         "algo.veto_threshold": "null" if row.veto is None else args.veto_threshold,
-        "algo.veto_scope": row.veto or "none", "algo.seed": seed, "rollout.seed": seed,
+        "algo.veto_scope": row.veto or "none", "algo.uniform_groups": job.uniform,
+        "algo.seed": seed, "rollout.seed": seed,
         "optim.lr": args.lr, "logging.eval_every_updates": args.eval_every,
         "logging.run_dir": run_dir,
     }
@@ -109,103 +159,8 @@ def run_row(row: Row, seed: int, model: Path, data: Path, run_dir: Path, args) -
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"{row.name} seed {seed} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return {"row": row.name, "seed": seed, "mu": mu, "wall": wall, **read_run(run_dir)}
-
-
-def read_run(run_dir: Path) -> dict:
-    """What the table and plots need, from a run's metrics.jsonl."""
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    phases = [r for r in recs if r["kind"] == "phase"]
-    parts = {k: sum(p[f"{k}_seconds"] for p in phases)
-             for k in ("generate", "score", "sync", "switch", "optimize")}
-    evals = [(r["update"], r["eval_mean_at_k"]) for r in recs if r["kind"] == "eval"]
-    updates = [r for r in recs if r["kind"] == "update" and not r.get("skipped")]
-    return {**parts, "rollout": parts["generate"] + parts["score"], "total": sum(parts.values()),
-            "syncs": len(phases), "evals": evals,
-            "phase_reward": [p["reward_mean"] for p in phases],
-            "curves": {k: [(u["update"], u.get(k, 0.0)) for u in updates] for k, _ in CURVES},
-            "skipped_updates": sum(p["skipped_updates"] for p in phases)}
-
-
-def summarize_row(runs: list[dict]) -> dict:
-    before = [r["evals"][0][1] for r in runs]
-    after = [r["evals"][-1][1] for r in runs]
-    mean = statistics.mean
-
-    def late(key):  # mean over the last quarter of updates: where a collapse shows
-        vals = [v for r in runs for u, v in r["curves"][key] if u >= 3 * r["curves"][key][-1][0] / 4]
-        return mean(vals) if vals else float("nan")
-
-    return {"seeds": len(runs), "before": mean(before), "after": mean(after),
-            "after_std": statistics.stdev(after) if len(after) > 1 else 0.0,
-            "after_min": min(after), "after_max": max(after),
-            "peak": mean(max(a for _, a in r["evals"]) for r in runs),
-            "rollout": mean(r["rollout"] for r in runs), "total": mean(r["total"] for r in runs),
-            "wall": mean(r["wall"] for r in runs), "syncs": runs[0]["syncs"],
-            **{f"late_{k}": late(k) for k, _ in CURVES}}
-
-
-def results_table(summary: dict[str, dict], rows: list[Row], mu: int) -> str:
-    lines = ["| run | seeds | held-out before | held-out after | peak | T_roll s | T_total s | "
-             "syncs | clip frac | veto frac | E[rho \\| A<0] | mean \\|log rho\\| |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        s = summary[row.name]
-        spread = (f" ± {s['after_std']:.3f} ({s['after_min']:.3f}-{s['after_max']:.3f})"
-                  if s["seeds"] > 1 else "")
-        lines.append(
-            f"| {_label(row, mu)} | {s['seeds']} | "
-            f"{s['before']:.3f} | {s['after']:.3f}{spread} | {s['peak']:.3f} | {s['rollout']:.1f} | "
-            f"{s['total']:.1f} | {s['syncs']} | {s['late_clip_frac']:.4f} | "
-            f"{s['late_veto_frac']:.4f} | {s['late_rho_neg_mean']:.3f} | "
-            f"{s['late_abs_log_ratio_mean']:.3f} |")
-    return "\n".join(lines)
-
-
-def plot(runs: dict[str, list[dict]], rows: list[Row], mu: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(CURVES) + 1, 1, figsize=(8, 2.4 * (len(CURVES) + 1)), sharex=True)
-    for row in rows:
-        rs = runs[row.name]
-        label = _label(row, mu)
-        xs = [u for u, _ in rs[0]["evals"]]
-        ys = [statistics.mean(r["evals"][i][1] for r in rs) for i in range(len(xs))]
-        (line,) = axes[0].plot(xs, ys, "o-", ms=3, lw=1.2, label=label)
-        for ax, (key, _) in zip(axes[1:], CURVES):
-            pts = rs[0]["curves"][key]
-            w = max(1, len(pts) // 32)  # a moving average over ~1/32 of the run, first seed
-            vals = [v for _, v in pts]
-            sm = [statistics.mean(vals[max(0, i - w + 1):i + 1]) for i in range(len(vals))]
-            ax.plot([u for u, _ in pts], sm, lw=1, color=line.get_color())
-    axes[0].set_title("held-out accuracy (mean@k, seed mean)", fontsize=9)
-    axes[0].legend(fontsize=7)
-    for ax, (key, title) in zip(axes[1:], CURVES):
-        ax.set_title(title + " (first seed, moving average)", fontsize=9)
-        if key == "clip_frac" or key == "veto_frac":
-            ax.set_yscale("symlog", linthresh=1e-4)
-    axes[-1].set_xlabel("update")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def update_results_md(path: Path, section: str, tag: str = "") -> None:
-    """Replace this benchmark's marked section (one per ``--tag``) of RESULTS.md; appended the
-    first time."""
-    begin, end = f"<!-- paper_miniature{tag}:begin -->", f"<!-- paper_miniature{tag}:end -->"
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    block = f"{begin}\n{section.strip()}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    return {"row": row.name, "key": job.key, "seed": seed, "mu": mu, "uniform": job.uniform,
+            "wall": wall, **report.read_run(run_dir)}
 
 
 def parse_args(argv=None):
@@ -216,8 +171,17 @@ def parse_args(argv=None):
     ap.add_argument("--rows", default=DEFAULT_ROWS,
                     help=f"comma-separated rows of: {', '.join(r.name for r in GRID)}")
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the headline rows")
-    ap.add_argument("--updates", type=int, default=128, help="total updates of every row")
+    ap.add_argument("--phases", type=int, default=4,
+                    help="phases of the large-mu rows; every row makes phases x M updates")
     ap.add_argument("--mu", type=int, default=64, help="M: updates per phase of the large-mu rows")
+    ap.add_argument("--uniform", default="keep", choices=POLICIES,
+                    help="algo.uniform_groups of the grid")
+    ap.add_argument("--no-uniform-compare", dest="uniform_compare", action="store_false",
+                    help="skip the headline rows under the other uniform-group policies")
+    ap.add_argument("--uniform-seeds", type=int, default=2,
+                    help="seeds of the headline rows under the other uniform-group policies")
+    ap.add_argument("--phase-sweep", default="2,4,8,16",
+                    help="phase counts of Mu-GRPO at equal total updates ('' for none)")
     ap.add_argument("--samples-per-update", type=int, default=64)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -247,15 +211,21 @@ def parse_args(argv=None):
     args.out = args.out or str(results / f"paper_miniature{args.tag}.json")
     args.plot = args.plot or str(results / f"paper_miniature{args.tag}.png")
     if args.quick:
-        args.rows, args.seeds, args.mu, args.updates, args.eval_every = "mugrpo", 2, 32, 32, 0
-        args.eval_size, args.jobs = min(args.eval_size, 128), 2
-        args.policy = args.policy or str(QUICK_POLICY)
+        args.rows, args.seeds, args.mu, args.phases, args.eval_every = "mugrpo", 2, 32, 1, 0
+        args.eval_size, args.jobs, args.uniform_compare = min(args.eval_size, 128), 2, False
+        args.phase_sweep, args.policy = "", args.policy or str(QUICK_POLICY)
+    args.updates = args.phases * args.mu
+    args.phase_sweep = [int(x) for x in args.phase_sweep.split(",") if x]
     rows = [r for r in GRID if r.name in args.rows.split(",")]
     unknown = set(args.rows.split(",")) - {r.name for r in GRID}
     if unknown:
         ap.error(f"--rows: unknown {sorted(unknown)}")
-    if args.updates % args.mu or args.mu % 4 or (args.mu * args.samples_per_update) % args.group_size:
-        ap.error("--updates must be a multiple of --mu, and --mu of 4 (GRPO's mu)")
+    if args.mu % 4 or (args.mu * args.samples_per_update) % args.group_size:
+        ap.error("--mu must be a multiple of 4 (GRPO's mu), and --mu x --samples-per-update of "
+                 "--group-size")
+    if any(args.updates % n or (args.updates // n) % 4 for n in args.phase_sweep):
+        ap.error(f"--phase-sweep: each count must split the {args.updates} updates into phases "
+                 f"of a multiple of 4")
     return args, rows
 
 
@@ -281,38 +251,40 @@ def main(argv=None) -> int:
         print(f"SFT: {sft_info['steps']} steps in {sft_info['seconds']:.0f}s, probe pass rate "
               f"{sft_info['probe_pass_rate']:.3f}, by operand count "
               f"{sft_info['probe_by_operands']}", flush=True)
-        jobs = [(row, seed) for row in rows
-                for seed in range(1, (args.seeds if row.headline else 1) + 1)]
+        jobs, tables = jobs_for(args, rows)
+        print(f"{len(jobs)} runs of {args.updates} updates", flush=True)
 
-        def one(job):
-            row, seed = job
-            r = run_row(row, seed, policy, data,
-                        work / "runs" / f"{row.name}{args.tag}_s{seed}", args)
-            print(f"[{row.name} seed {seed}] held-out {r['evals'][0][1]:.3f} -> "
-                  f"{r['evals'][-1][1]:.3f}, total {r['total']:.0f}s (wall {r['wall']:.0f}s)",
-                  flush=True)
+        def one(job: Job):
+            r = run_job(job, policy, data, work / "runs" / f"{job.key}{args.tag}_s{job.seed}", args)
+            print(f"[{job.key} seed {job.seed}] held-out {r['evals'][0][1]:.3f} -> "
+                  f"{r['evals'][-1][1]:.3f}, total {r['total']:.0f}s (wall {r['wall']:.0f}s), "
+                  f"late-in-phase |log rho| {r['late_phase_abs_log_ratio']:.3f}", flush=True)
             return r
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each job is a subprocess
             results = list(pool.map(one, jobs))
         runs: dict[str, list[dict]] = {}
-        for (row, _), r in zip(jobs, results):
-            runs.setdefault(row.name, []).append(r)
+        for job, r in zip(jobs, results):
+            runs.setdefault(job.key, []).append(r)
     grid_seconds = time.perf_counter() - t_start
-    summary = {name: summarize_row(rs) for name, rs in runs.items()}
-    text = results_table(summary, rows, args.mu)
-    print(text)
+    summary = {key: report.summarize(rs) for key, rs in runs.items()}
+    texts = {"grid": report.grid_table(summary, tables["grid"])}
+    if "uniform" in tables:
+        texts["uniform"] = report.uniform_table(summary, tables["uniform"])
+    if "phases" in tables:
+        texts["phases"] = report.phases_table(summary, tables["phases"])
+    print("\n\n".join(texts.values()))
     print(f"grid time {grid_seconds / 60:.1f} min (SFT {sft_info['seconds']:.0f}s)")
     write_json(args.out, {"args": vars(args), "sft": sft_info, "grid_seconds": grid_seconds,
-                          "summary": summary, "runs": runs})
+                          "tables": tables, "summary": summary, "runs": runs})
     if not args.quick:
-        plot(runs, rows, args.mu, Path(args.plot))
+        report.plot(runs, tables["grid"], Path(args.plot))
     if args.results_md:
         cmd = "python benchmarks/paper_miniature.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        update_results_md(Path(args.results_md), markdown_section(args, sft_info, text, grid_seconds,
-                                                                  cmd.strip()), args.tag)
+        report.update_results_md(Path(args.results_md), report.markdown_section(
+            args, sft_info, texts, grid_seconds, cmd.strip(), ROOT), args.tag)
     if args.quick:
-        return quick_checks(summary["mugrpo"])
+        return quick_checks(summary[tables["grid"][0][0]])
     return 0
 
 
@@ -366,36 +338,6 @@ def make_policy(path: Path, args, splits, **sft_options) -> dict:
                           "threads": torch.get_num_threads(), "eval_size": args.eval_size}}
     (path / "sft.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
-
-
-def markdown_section(args, sft: dict, text: str, grid_seconds: float, cmd: str) -> str:
-    by_k = ", ".join(f"{k} operands {v:.2f}" for k, v in sft["probe_by_operands"].items())
-    plot_rel = os.path.relpath(args.plot, ROOT / "benchmarks")
-    out_rel = os.path.relpath(args.out, ROOT)
-    title = f"lr {args.lr:g}" + (f", {args.tag.strip('_')}" if args.tag else "")
-    return f"""## Mu-GRPO's claims in miniature: {title} (`benchmarks/paper_miniature.py`)
-
-`{cmd}` ({grid_seconds / 60:.1f} minutes on this machine, SFT included unless reused; raw numbers
-in `{out_rel}`).
-
-Policy: the tiny Llama of `benchmarks/miniature_task.py` (2 layers, hidden 128), SFT'd for
-{sft['steps']} steps ({sft['seconds']:.0f} s) on chained single-digit arithmetic, half of the
-examples worked step by step and half answered at once, to a sampled probe pass rate of
-{sft['probe_pass_rate']:.2f} ({by_k}). The policy so starts with two behaviours, a reliable
-long one and an unreliable short one, between which RL can choose. Every row: {args.updates} updates of
-{args.samples_per_update} responses (G = {args.group_size}), one pass over each phase's data, lr
-{args.lr}, veto threshold {args.veto_threshold}, M = {args.mu}, through `python -m mugrpo_megatron
-train` (megatron-core learner, vLLM engine, fp32, one process). Held-out: mean@{args.eval_samples}
-at temperature 1 on {args.eval_size} unseen problems, every {args.eval_every} updates (an extra
-weight sync, not counted in the times). Seeds differ in prompt order, minibatches and sampling;
-the SFT policy is the same. T_roll = generation + scoring, T_total = T_roll + sync + switch +
-optimization (start-up and evaluation excluded), seconds, seed mean. The last four columns are means
-over the last quarter of updates.
-
-{text}
-
-![curves]({plot_rel})
-"""
 
 
 def quick_checks(s: dict) -> int:
