@@ -1,4 +1,5 @@
-"""Shared helpers for the benchmark scripts: repeats, medians and spread, tables, JSON output."""
+"""Shared helpers for the benchmark scripts (and the tests): a response as a Python object and
+batches of them, repeats, medians and spread, tables, JSON output."""
 
 from __future__ import annotations
 
@@ -6,16 +7,47 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from mugrpo_megatron.rollout import padded_batch
+from mugrpo_megatron.types import TrainBatch
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One response to one prompt as a Python object: for tests, benchmarks and the engine
+    contract checks (a phase keeps its responses as arrays in shards, never as these)."""
+
+    phase: int
+    """Phase that generated it (the behaviour policy's phase)."""
+    prompt_index: int
+    """Row of the prompt in the training set."""
+    group: int
+    """Position of the prompt within the phase; the G samples of a prompt share it."""
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    behav_logprobs: tuple[float, ...]
+    """The engine's log-prob of each response token when it sampled it."""
+    finish_reason: str
+    reward: float = 0.0
+    advantage: float = 0.0
+
+
+def to_batch(samples: Sequence[Sample], pad_id: int = 0, multiple_of: int = 1) -> TrainBatch:
+    """``padded_batch`` of ``Sample`` objects (tests, benchmarks, the engine contract checks)."""
+    return padded_batch([(s.prompt_ids, s.response_ids, s.behav_logprobs) for s in samples],
+                        [s.advantage for s in samples], pad_id, multiple_of)
+
+
 
 
 def random_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
     """A training batch of ``n`` random prompt + response sequences with fixed behaviour
     log-probs and advantages in {-1, 0, 1}: a workload for timing, not for learning."""
-    from mugrpo_megatron.rollout import Sample, to_batch
-
     g = torch.Generator().manual_seed(seed)
     samples = [Sample(0, i, i // 4,
                       tuple(torch.randint(5, vocab, (prompt_len,), generator=g).tolist()),

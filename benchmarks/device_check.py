@@ -177,9 +177,10 @@ def packing_section(state: dict, args) -> dict:
     """Packed rows (THD through TE on a GPU, the masked path elsewhere) against padded ones on
     responses of varied lengths: the log-prob difference and the train-step speed of each."""
 
+    from common import Sample, to_batch
+
     from mugrpo_megatron.learner.fp8 import round_up
     from mugrpo_megatron.learner.packing import sequence_lengths
-    from mugrpo_megatron.rollout import Sample, to_batch
 
     learner = state["learner"]
     g = torch.Generator().manual_seed(2)
@@ -213,9 +214,11 @@ def packing_section(state: dict, args) -> dict:
 
 
 def engine_section(path: Path, state: dict, args) -> dict:
+    from common import Sample, to_batch
+
     from mugrpo_megatron.engines import SamplingSpec, make_engine
     from mugrpo_megatron.learner.export import iter_hf_tensors
-    from mugrpo_megatron.rollout import Sample, logprob_gap, to_batch
+    from mugrpo_megatron.rollout import logprob_gap
 
     learner, cfg = state["learner"], state["cfg"]
     out = {}

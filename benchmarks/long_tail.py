@@ -58,9 +58,8 @@ def worker(args) -> None:
     from mugrpo_megatron.config import RolloutConfig
     from mugrpo_megatron.distributed import agree
     from mugrpo_megatron.engines import SamplingSpec
-    from mugrpo_megatron.engines.fleet import EngineFleet, inflight_prompts
+    from mugrpo_megatron.engines.fleet import EngineFleet, inflight_prompts, share
     from mugrpo_megatron.engines.vllm_engine import VLLMEngine
-    from mugrpo_megatron.phase_generation import share
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -82,7 +81,7 @@ def worker(args) -> None:
     engine = fleet.engine
     prompts = [[5 + (i * 7 + j) % 300 for j in range(8 + i % 8)] for i in range(args.prompts)]
     spec = SamplingSpec(n=G, max_new_tokens=args.cap, seed=BASE_SEED)
-    mine = share(np.arange(args.prompts), fleet.replica, fleet.num_replicas)
+    mine = np.arange(args.prompts)[share(args.prompts, fleet.replica, fleet.num_replicas)]
     engine.generate(prompts[:2], spec)  # warm-up
 
     def timed(fn):

@@ -124,7 +124,8 @@ def new_path(rank: int, world: int, size: int, work: Path, args) -> dict:
     from transformers import AutoTokenizer
 
     from mugrpo_megatron.config import RewardConfig
-    from mugrpo_megatron.phase_generation import ReplicaCounts, ShardWriter, pending_positions, share
+    from mugrpo_megatron.engines.fleet import share
+    from mugrpo_megatron.phase_generation import ReplicaCounts, ShardWriter, pending_positions
     from mugrpo_megatron.phase_store import PhaseData, finalize
     from mugrpo_megatron.rewards import RewardScorer
 
@@ -133,7 +134,8 @@ def new_path(rank: int, world: int, size: int, work: Path, args) -> dict:
     directory = work / f"phase_{size}"
     prompts = prompts_for(num_groups)
     t0 = time.perf_counter()
-    mine = share(pending_positions(directory, num_groups), rank, world)
+    pending = pending_positions(directory, num_groups)
+    mine = pending[share(len(pending), rank, world)]
     counts = ReplicaCounts()
     rng = np.random.default_rng(1000 + rank)
     cfg = RewardConfig(name="phase_scale:digit_parity_reward", num_workers=1, batch_responses=64)
@@ -159,7 +161,7 @@ def new_path(rank: int, world: int, size: int, work: Path, args) -> dict:
         rows = data.train_rows[np.asarray(mb.sample_indices, dtype=np.int64)]
         # as the trainer: this rank (a data-parallel rank of 2) reads its share of the update
         # (the learner's dp_rows: contiguous halves)
-        batch = data.batch(share(rows, rank, world))
+        batch = data.batch(rows[share(len(rows), rank, world)])
         tokens += int(batch.response_mask.sum())
         now = time.perf_counter()
         per_update.append(now - t_mb)
@@ -175,20 +177,20 @@ def old_path(rank: int, world: int, size: int, work: Path, args) -> dict:
     """The replaced path: pickle to rank 0, Sample objects, parquet, broadcast of the phase."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from common import Sample, to_batch
     from transformers import AutoTokenizer
 
     from mugrpo_megatron.config import RewardConfig
     from mugrpo_megatron.objective import group_advantages
     from mugrpo_megatron.phase_generation import share
     from mugrpo_megatron.rewards import RewardScorer
-    from mugrpo_megatron.rollout import Sample, to_batch
 
     tok = AutoTokenizer.from_pretrained(work / "tok")
     num_groups = size // G
     prompts = prompts_for(num_groups)
     t0 = time.perf_counter()
     rng = np.random.default_rng(1000 + rank)
-    mine = share(np.arange(num_groups), rank, world)
+    mine = np.arange(num_groups)[share(num_groups, rank, world)]
     gens = [synthetic_group(rng, len(tok)) for _ in mine]
     parts = [None] * world if rank == 0 else None
     dist.gather_object(gens, parts, dst=0)

@@ -49,9 +49,11 @@ def init_default_group(timeout_minutes: float) -> None:
                             timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
-def collective_device() -> torch.device:
-    """Where a tensor must live for the default group's collectives (NCCL: this rank's GPU)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+def device() -> torch.device:
+    """This rank's device: its GPU (``LOCAL_RANK``'s, set by ``init_default_group``) or the CPU.
+    Also where the tensors of every collective of the job live: the default group is NCCL where
+    there is a GPU, which takes CUDA tensors only, and gloo elsewhere."""
+    if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

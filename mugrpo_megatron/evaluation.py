@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec
 from mugrpo_megatron.rewards import RewardScorer
-from mugrpo_megatron.types import Prompt
+from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
+
+if TYPE_CHECKING:
+    from mugrpo_megatron.engines.base import RolloutEngine
 
 
 @dataclass(frozen=True)

@@ -40,14 +40,12 @@ import torch.distributed as dist
 from mugrpo_megatron import distributed
 from mugrpo_megatron.config import RolloutConfig
 from mugrpo_megatron.data.prompt_store import PromptSet
-from mugrpo_megatron.distributed import collective_device, on_rank0
-from mugrpo_megatron.engines import SamplingSpec
-from mugrpo_megatron.engines.base import Generation
-from mugrpo_megatron.engines.fleet import EngineFleet
+from mugrpo_megatron.distributed import on_rank0
+from mugrpo_megatron.engines.fleet import EngineFleet, share
 from mugrpo_megatron.phase_store import ScoredGroup, finalize, persisted_groups, write_shard
 from mugrpo_megatron.rewards import PendingScores, RewardScorer
 from mugrpo_megatron.scheduler import Phase
-from mugrpo_megatron.types import Prompt
+from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
 
 _MAX_PENDING_SHARDS = 4
 """Shards a leader lets wait for their scores before it waits too (bounds its memory)."""
@@ -67,15 +65,9 @@ def pending_positions(directory: Path, num_groups: int) -> np.ndarray:
             tmp.unlink()
         done = torch.from_numpy(persisted_groups(directory, num_groups).astype(np.uint8))
     if dist.get_world_size() > 1:
-        done = done.to(collective_device())
+        done = done.to(distributed.device())
         dist.broadcast(done, src=0)
     return np.flatnonzero(done.cpu().numpy() == 0)
-
-
-def share(pending: np.ndarray, replica: int, num_replicas: int) -> np.ndarray:
-    """Replica ``replica``'s contiguous, even share of ``pending`` (see the module docstring)."""
-    n = len(pending)
-    return pending[replica * n // num_replicas:(replica + 1) * n // num_replicas]
 
 
 @dataclass
@@ -122,7 +114,7 @@ def generate_phase(fleet: EngineFleet, directory: Path, phase: Phase, r: Rollout
     the phase. Returns the counts summed over the replicas; ``GenerationFailed`` on every rank
     when any replica failed."""
     pending = pending_positions(directory, len(phase.prompt_indices))
-    mine = share(pending, fleet.replica, fleet.num_replicas)
+    mine = pending[share(len(pending), fleet.replica, fleet.num_replicas)]
     counts = ReplicaCounts(queued=fleet.queued)
     fleet.check_has_weights()
     bar = progress.bar(f"phase {phase.index} generate (replica {fleet.replica} of "
@@ -209,7 +201,7 @@ class ShardWriter:
 
 def sum_counts(counts: ReplicaCounts) -> ReplicaCounts:
     """Every replica's counts, summed on every rank (one small all-reduce). Only leaders count."""
-    t = torch.tensor(counts.totals(), dtype=torch.int64, device=collective_device())
+    t = torch.tensor(counts.totals(), dtype=torch.int64, device=distributed.device())
     if dist.get_world_size() > 1:
         dist.all_reduce(t)
     return ReplicaCounts(*t.cpu().tolist(), score_wait_seconds=counts.score_wait_seconds,

@@ -43,10 +43,9 @@ import pyarrow as pa
 import torch
 
 from mugrpo_megatron import outputs
-from mugrpo_megatron.engines.base import Generation
 from mugrpo_megatron.objective import group_advantages
 from mugrpo_megatron.rollout import padded_batch
-from mugrpo_megatron.types import TrainBatch
+from mugrpo_megatron.types import Generation, TrainBatch
 
 SHARD_SCHEMA = pa.schema([
     ("group", pa.int64()),             # position of the prompt in the phase

@@ -1,7 +1,7 @@
 """Batches for the learner from rollout rows, and the train/inference log-prob gap.
 
-A phase's rollouts live on disk (``phase_store``); ``Sample`` is one response as a Python object,
-for tests, benchmarks and the engine contract checks, never a whole phase. No engine, no learner.
+A phase's rollouts live on disk (``phase_store``) and reach the learner as rows of numpy arrays,
+never as Python objects per response. No engine, no learner.
 """
 
 from __future__ import annotations
@@ -13,25 +13,6 @@ import numpy as np
 import torch
 
 from mugrpo_megatron.types import TrainBatch
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One response to one prompt, as generated and scored in a phase."""
-
-    phase: int
-    """Phase that generated it (the behaviour policy's phase)."""
-    prompt_index: int
-    """Row of the prompt in the training set."""
-    group: int
-    """Position of the prompt within the phase; the G samples of a prompt share it."""
-    prompt_ids: tuple[int, ...]
-    response_ids: tuple[int, ...]
-    behav_logprobs: tuple[float, ...]
-    """The engine's log-prob of each response token when it sampled it."""
-    finish_reason: str
-    reward: float = 0.0
-    advantage: float = 0.0
 
 
 def padded_batch(rows: Sequence[tuple[Sequence[int], Sequence[int], Sequence[float]]],
@@ -52,12 +33,6 @@ def padded_batch(rows: Sequence[tuple[Sequence[int], Sequence[int], Sequence[flo
         mask[k, a:b] = True
     return TrainBatch(torch.from_numpy(tokens), torch.from_numpy(mask), torch.from_numpy(behav),
                       torch.as_tensor(np.asarray(advantages, dtype=np.float32)))
-
-
-def to_batch(samples: Sequence[Sample], pad_id: int = 0, multiple_of: int = 1) -> TrainBatch:
-    """``padded_batch`` of ``Sample`` objects (tests, benchmarks, the engine contract checks)."""
-    return padded_batch([(s.prompt_ids, s.response_ids, s.behav_logprobs) for s in samples],
-                        [s.advantage for s in samples], pad_id, multiple_of)
 
 
 @dataclass(frozen=True)

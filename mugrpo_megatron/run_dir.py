@@ -36,6 +36,7 @@ import torch.distributed as dist
 from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.config_loader import dump_yaml, to_dict
+from mugrpo_megatron.learner.hf_config import TOKENIZER_FILES
 from mugrpo_megatron.outputs import move_aside, write_file
 
 RUN_FILE = "run.json"
@@ -50,8 +51,7 @@ SAFE_TO_CHANGE = (
 """Config keys (or key prefixes) that a resumed run may change: how the work is laid out and
 logged, not what it computes. The distributed optimizer's sharding is checked when a checkpoint
 loads (``learner.checkpoint.load_learner``)."""
-_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+_MODEL_FILES = ("config.json", *TOKENIZER_FILES)
 
 
 def fingerprint(cfg: Config) -> dict[str, Any]:

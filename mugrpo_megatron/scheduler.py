@@ -57,17 +57,13 @@ class PhaseScheduler:
     def __init__(self, algo: AlgoConfig, group_size: int, num_prompts: int):
         if num_prompts < 1:
             raise ValueError("the prompt dataset is empty")
-        self.total_updates = algo.total_updates
+        self.num_phases = algo.num_phases
         self.updates_per_phase = algo.updates_per_phase
         self.prompts_per_phase = algo.prompts_per_phase
         self.group_size = group_size
         self.samples_per_update = algo.samples_per_update
         self.num_prompts = num_prompts
         self.seed = algo.seed
-
-    @property
-    def num_phases(self) -> int:
-        return self.total_updates // self.updates_per_phase
 
     def phase(self, index: int) -> Phase:
         """Phase ``index``. Prompts are read in a seeded order, reshuffled at each pass over the
@@ -117,8 +113,8 @@ class PhaseScheduler:
 
     def passes(self, num_samples: int, size: int | None = None) -> float:
         """Passes over the phase's ``num_samples`` samples that mu updates of ``size`` make."""
-        return self.updates_per_phase * min(size or self.samples_per_update, num_samples) \
-            / num_samples
+        return passes(self.updates_per_phase, min(size or self.samples_per_update, num_samples),
+                      num_samples)
 
     def _permutation(self, n: int, stream: int, epoch: int) -> torch.Tensor:
         mixed = (self.seed * 0x9E3779B1 + stream * 0x85EBCA6B + epoch * 0xC2B2AE35) % (1 << 63)
@@ -126,15 +122,21 @@ class PhaseScheduler:
         return torch.randperm(n, generator=g)
 
 
+def passes(updates: int, samples_per_update: int, num_samples: int) -> float:
+    """Passes over ``num_samples`` samples that ``updates`` updates of ``samples_per_update``
+    make: the one formula of the phase log, the dry run and ``plan``."""
+    return updates * samples_per_update / num_samples
+
+
 def describe_schedule(cfg: Config) -> str:
     """The schedule in words, for ``plan`` and the dry run."""
     a, g = cfg.algo, cfg.rollout.group_size
     samples = a.prompts_per_phase * g
-    passes = a.updates_per_phase * a.samples_per_update / samples
-    reuse = {"keep": f"{passes:.2f} passes over the phase's samples, uniform groups kept at A = 0",
-             "drop": f"{passes:.2f} passes over the phase's samples, and 1 / (1 - the uniform "
+    made = passes(a.updates_per_phase, a.samples_per_update, samples)
+    reuse = {"keep": f"{made:.2f} passes over the phase's samples, uniform groups kept at A = 0",
+             "drop": f"{made:.2f} passes over the phase's samples, and 1 / (1 - the uniform "
                      f"fraction) times that over the rest once uniform groups are dropped",
-             "drop_once": f"uniform groups dropped, then {min(passes, 1.0):.2f} passes over the "
+             "drop_once": f"uniform groups dropped, then {min(made, 1.0):.2f} passes over the "
                           f"rest in updates of (1 - the uniform fraction) x "
                           f"{a.samples_per_update}"}[a.uniform_groups]
     return (f"{a.num_phases} phases x mu={a.updates_per_phase} updates = {a.total_updates} updates "

@@ -39,7 +39,7 @@ from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
 from mugrpo_megatron.rollout import LogprobGap
 from mugrpo_megatron.run_dir import record_start
-from mugrpo_megatron.scheduler import Phase, PhaseScheduler
+from mugrpo_megatron.scheduler import Phase, PhaseScheduler, passes
 
 
 @dataclass
@@ -293,7 +293,7 @@ class Trainer:
         times.optimize = time.perf_counter() - t_opt - t_eval  # the held-out curve is not training
         times.extra["batch_read_seconds"] = t_data  # reading rows from the shards, in optimize
         # the passes over what the updates drew from, as made (the uniform-group policy decides)
-        times.extra.update(passes=used / len(train) if len(train) else 0.0,
+        times.extra.update(passes=passes(1, used, len(train)) if len(train) else 0.0,
                            uniform_policy=self.cfg.algo.uniform_groups)
         if t_eval:
             times.extra["eval_seconds"] = t_eval

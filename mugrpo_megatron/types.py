@@ -2,11 +2,49 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How to sample: G responses per prompt."""
+
+    n: int
+    """Responses per prompt (G)."""
+    max_new_tokens: int
+    """Longest response."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    """Sampling seed (None: the engine's own stream). Engines that seed per request sample the
+    j-th response to prompt i with seed + i * n + j, so no two samples of a call share a seed."""
+
+    def seed_at(self, position: int) -> int | None:
+        """The seed of the prompt at ``position`` of a call: its j-th response samples with this
+        + j. The one formula every engine and caller uses, so that a prompt samples the same
+        whichever replica serves it, in whichever call."""
+        return None if self.seed is None else self.seed + position * self.n
+
+    def from_position(self, position: int) -> SamplingSpec:
+        """This spec for a call whose first prompt stands at ``position`` of this one."""
+        return self if self.seed is None else replace(self, seed=self.seed_at(position))
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled response."""
+
+    token_ids: tuple[int, ...]
+    """The generated tokens (the prompt excluded)."""
+    logprobs: tuple[float, ...]
+    """The behaviour policy's log-prob of each generated token, as the engine sampled it."""
+    finish_reason: str
+    """'stop' (EOS or a stop token) or 'length' (max_new_tokens reached)."""
 
 
 @dataclass(frozen=True)

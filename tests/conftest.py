@@ -14,6 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # 1.6x with sleeping ones). Every process the tests start inherits this.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).parent))
+# benchmarks/common.py: Sample and to_batch, responses as Python objects (tests and benchmarks)
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from common import Sample, to_batch
 
 from mugrpo_megatron.config import RewardConfig
 from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec
-from mugrpo_megatron.phase_generation import ReplicaCounts, ShardWriter, share
+from mugrpo_megatron.engines.fleet import share
+from mugrpo_megatron.phase_generation import ReplicaCounts, ShardWriter
 from mugrpo_megatron.phase_store import (
     PhaseData,
     ScoredGroup,
@@ -21,7 +23,6 @@ from mugrpo_megatron.phase_store import (
     write_shard,
 )
 from mugrpo_megatron.rewards import RewardScorer
-from mugrpo_megatron.rollout import Sample, to_batch
 from mugrpo_megatron.types import Prompt
 
 G = 4
@@ -113,14 +114,14 @@ def test_finalize_names_missing_and_doubled_groups(tmp_path):
 def test_resume_with_another_replica_count_regenerates_only_what_is_missing(tmp_path):
     groups = make_groups(23)
     pending = np.arange(23)
-    two = [share(pending, r, 2) for r in range(2)]
+    two = [pending[share(len(pending), r, 2)] for r in range(2)]
     assert np.concatenate(two).tolist() == list(range(23))  # every group once, in order
     # replica 0 persisted part of its share, replica 1 all but its last groups, then a kill
     write_shard(tmp_path, [groups[i] for i in two[0][:5]])
     write_shard(tmp_path, [groups[i] for i in two[1][:-3]])
     left = np.flatnonzero(~persisted_groups(tmp_path, 23))
     assert left.tolist() == two[0][5:].tolist() + two[1][-3:].tolist()
-    one = share(left, 0, 1)  # resumed with one replica
+    one = left[share(len(left), 0, 1)]  # resumed with one replica
     assert one.tolist() == left.tolist()
     write_shard(tmp_path, [groups[i] for i in one])
     finalize(tmp_path, 23, G, 1e-6)

@@ -2,7 +2,9 @@
 
 from dataclasses import replace
 
-from mugrpo_megatron.rollout import Sample, logprob_gap, to_batch
+from common import Sample, to_batch
+
+from mugrpo_megatron.rollout import logprob_gap
 
 
 def samples():
@@ -34,13 +36,13 @@ def test_gap():
 
 
 def test_replica_shares_cover_prompts_in_order():
-    from mugrpo_megatron.engines.fleet import shares
+    from mugrpo_megatron.engines.fleet import share
 
     for n, r in [(10, 3), (8, 4), (2, 4), (0, 2), (64, 1)]:
-        s = shares(n, r)
-        assert len(s) == r and s[0][0] == 0 and s[-1][1] == n
-        assert all(a[1] == b[0] for a, b in zip(s, s[1:]))  # contiguous, in prompt order
-        sizes = [end - start for start, end in s]
+        s = [share(n, k, r) for k in range(r)]
+        assert s[0].start == 0 and s[-1].stop == n
+        assert all(a.stop == b.start for a, b in zip(s, s[1:]))  # contiguous, in prompt order
+        sizes = [x.stop - x.start for x in s]
         assert max(sizes) - min(sizes) <= 1, (n, r, sizes)
 
 

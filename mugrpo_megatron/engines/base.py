@@ -5,37 +5,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """How to sample: G responses per prompt."""
-
-    n: int
-    """Responses per prompt (G)."""
-    max_new_tokens: int
-    """Longest response."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    """Sampling seed (None: the engine's own stream). Engines that seed per request sample the
-    j-th response to prompt i with seed + i * n + j, so no two samples of a call share a seed."""
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One sampled response."""
-
-    token_ids: tuple[int, ...]
-    """The generated tokens (the prompt excluded)."""
-    logprobs: tuple[float, ...]
-    """The behaviour policy's log-prob of each generated token, as the engine sampled it."""
-    finish_reason: str
-    """'stop' (EOS or a stop token) or 'length' (max_new_tokens reached)."""
+from mugrpo_megatron.types import Generation, SamplingSpec
 
 
 @dataclass(frozen=True)
@@ -90,8 +64,7 @@ class RolloutEngine(abc.ABC):
                 end = start + 1
                 while end < hi and positions[end] == positions[end - 1] + 1:
                     end += 1
-                spec = sampling if sampling.seed is None else \
-                    replace(sampling, seed=sampling.seed + positions[start] * sampling.n)
+                spec = sampling.from_position(positions[start])
                 for k, group in enumerate(self.generate(prompts[start:end], spec)):
                     yield start + k, group
                 start = end

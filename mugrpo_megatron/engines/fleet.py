@@ -62,10 +62,10 @@ def inflight_prompts(r: RolloutConfig, streams: bool, running: int | None) -> in
     return -(-2 * running // r.group_size) if running else 0
 
 
-def shares(num_prompts: int, num_replicas: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) shares of ``num_prompts`` for each replica, as even as possible."""
-    return [(r * num_prompts // num_replicas, (r + 1) * num_prompts // num_replicas)
-            for r in range(num_replicas)]
+def share(n: int, part: int, parts: int) -> slice:
+    """Part ``part`` of ``parts`` contiguous, in-order shares of ``n`` items, as even as possible
+    (sizes differ by one at most): a replica's prompts of an evaluation or of a phase."""
+    return slice(part * n // parts, (part + 1) * n // parts)
 
 
 class EngineFleet:
@@ -141,10 +141,9 @@ class EngineFleet:
         result: list[list[Generation]] | None = None
         with distributed.agreed(EngineFailed):
             if self.engine is not None:
-                start, end = shares(len(prompts), self.num_replicas)[self.replica]
-                spec = sampling if sampling.seed is None else \
-                    replace(sampling, seed=sampling.seed + start * sampling.n)
-                result = self.engine.generate(prompts[start:end], spec) if end > start else []
+                mine = share(len(prompts), self.replica, self.num_replicas)
+                result = self.engine.generate(prompts[mine], sampling.from_position(mine.start)) \
+                    if mine.stop > mine.start else []
         rank, world = distributed.world()
         if self.num_replicas == 1:
             return result if rank == 0 else None

@@ -94,11 +94,10 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams
 
         # vLLM seeds the j-th of the n samples with seed + j: prompts n apart never share one
-        seed = None if sampling.seed is None else sampling.seed + position * sampling.n
         return SamplingParams(n=sampling.n, max_tokens=sampling.max_new_tokens,
                               temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k if sampling.top_k > 0 else 0,
-                              seed=seed, logprobs=0)
+                              seed=sampling.seed_at(position), logprobs=0)
 
     @staticmethod
     def _group(out) -> list[Generation]:

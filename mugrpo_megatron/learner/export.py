@@ -25,13 +25,9 @@ from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
 
 from mugrpo_megatron import distributed, outputs
-from mugrpo_megatron.learner.hf_config import ModelSpec
+from mugrpo_megatron.learner.hf_config import TOKENIZER_FILES, ModelSpec
 from mugrpo_megatron.learner.mapping import ParamMap, hf_from_shards, tp_split_dim
 from mugrpo_megatron.learner.model import expert_offset, named_hf_params
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
-                   "generation_config.json")
 
 
 def _stage_entries(chunks: list[torch.nn.Module], spec: ModelSpec
@@ -62,8 +58,7 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
     pp_size = mpu.get_pipeline_model_parallel_world_size()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     pp_ranks = dist.get_process_group_ranks(pp_group)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    device = distributed.device()
     mine = _stage_entries(chunks, spec)
     ep = _ExpertGroups(spec)
     for stage in range(pp_size):

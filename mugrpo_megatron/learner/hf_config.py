@@ -30,6 +30,12 @@ def _mixtral_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
                 moe_ffn_hidden_size=int(cfg["intermediate_size"]), router_pre_softmax=False)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+                   "generation_config.json")
+"""The files of an HF model directory besides config.json and the weights that shape what the
+engine is given or the export carries: tokenizer, chat template, generation settings."""
+
 @dataclass(frozen=True)
 class MoeLayout:
     """Where an MoE family keeps its router and experts in HF checkpoints, and how its config

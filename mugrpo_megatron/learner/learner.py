@@ -34,6 +34,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.learner.fp8 import round_up, token_multiple
 from mugrpo_megatron.learner.hf_config import read_model_spec
@@ -179,7 +180,7 @@ class Learner:
         group = mpu.get_data_parallel_group()
         dist.all_reduce(count, group=group)  # stays on the device: the loss divides by it there
         if self.cfg.parallel.expert > 1 and not self.pack_capacity:
-            seq = torch.tensor(batch.tokens.shape[1], device=_device())
+            seq = torch.tensor(batch.tokens.shape[1], device=distributed.device())
             dist.all_reduce(seq, op=dist.ReduceOp.MAX, group=group)
             batch = _right_padded(batch, int(seq))  # a read, with expert parallelism only
         return batch, count
@@ -231,7 +232,7 @@ class Learner:
             # every MoE layer's token dispatch is a collective over the expert-parallel group,
             # which spans data-parallel ranks: they must run as many microbatches as each other
             # (one integer over the DP group, a superset of it), the short ones with empty rows
-            n = torch.tensor(len(bins), device=_device())
+            n = torch.tensor(len(bins), device=distributed.device())
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
             out = [_filler(capacity, train) for _ in range(int(n) - len(bins))]
         for members in bins:
@@ -249,7 +250,7 @@ class Learner:
     def _run(self, microbatches: list[_MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            device = _device()
+            device = distributed.device()
             extra = {"attention_mask": None}
             if mb.packed is not None and self.uses_thd:
                 cu = mb.packed.cu_seqlens(device)
@@ -344,7 +345,7 @@ class Learner:
         of the batch for ``full``, beside the microbatches' results (as much again) until it
         returns; the callers score batches (a minibatch, the mismatch check's rows), never a
         phase at once."""
-        full = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=_device())
+        full = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=distributed.device())
         if mpu.is_pipeline_last_stage(ignore_virtual=True) and self.layout.tp_rank == 0:
             for r in results:
                 if isinstance(r["rows"], torch.Tensor) and not r["rows"].numel():
@@ -364,7 +365,7 @@ class Learner:
         a = self.cfg.algo
         # The global count of response tokens (next-aligned, before the veto): every microbatch's
         # loss is divided by it, so the update does not depend on the layout or the split.
-        num_tokens = _next_aligned(batch.response_mask.bool()).sum().to(_device())
+        num_tokens = _next_aligned(batch.response_mask.bool()).sum().to(distributed.device())
         if dp_local:
             batch, num_tokens = self._dp_local_tokens(batch, num_tokens)
         batch = self._fit_sequence(batch)
@@ -414,7 +415,7 @@ class Learner:
         gradient clipping reads the grad norm once more). Reading each value as it came was
         ~15 reads a microbatch and one a parameter: ~100 device syncs an update at 70B."""
         computed = mpu.is_pipeline_last_stage(ignore_virtual=True) and self.layout.tp_rank == 0
-        device = _device()
+        device = distributed.device()
         sums = metric_sums(results if computed else [], device)
         peak = (torch.stack([r["abs_log_ratio_max"] for r in results]).max().double()
                 if computed and results else torch.zeros((), dtype=torch.float64, device=device))
@@ -491,7 +492,3 @@ def _per_sequence(mb: _MicroBatch, values: torch.Tensor) -> torch.Tensor:
     """Per-position values of the model's rows -> ``[b, L]`` per sequence (unpacked if packed)."""
     return mb.packed.unpack_values(values) if mb.packed is not None else values
 
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
