@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from mugrpo_megatron import outputs
-from mugrpo_megatron.config import Config, launcher_ranks_per_node
+from mugrpo_megatron.config import Config
 from mugrpo_megatron.config_loader import describe, load_config
 
 DRY_RUN_GPUS_PER_NODE = 8  # an H100 node
@@ -49,12 +49,13 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    dp = cfg.check_world_size(args.world_size, args.gpus_per_node)
+    from mugrpo_megatron.layout import check_layout
     from mugrpo_megatron.scheduler import describe_schedule
 
-    a, r = cfg.algo, cfg.rollout
+    layout = check_layout(cfg, args.world_size, args.gpus_per_node)
+    a = cfg.algo
     print(f"world size {args.world_size}: TP {cfg.parallel.tensor} x PP {cfg.parallel.pipeline} "
-          f"x DP {dp}; {r.describe_placement(args.world_size, args.gpus_per_node)}")
+          f"x DP {layout.data_parallel}; {layout.placement.describe()}")
     print(f"schedule: {describe_schedule(cfg)}")
     print(f"clip ratio to [{1 - a.clip_low:g}, {1 + a.clip_high:g}]; veto "
           + ("off" if a.veto_threshold is None else f"below {a.veto_threshold:g}, scope {a.veto_scope}"))
@@ -72,8 +73,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(dry_run(cfg, world, hf_config=args.hf_config, gpu_gib=args.gpu_gib,
                       gpus_per_node=args.gpus_per_node or DRY_RUN_GPUS_PER_NODE))
         return 0
-    # before any process group exists: the layout, and the engines' placement over the nodes
-    cfg.check_world_size(world, args.gpus_per_node or launcher_ranks_per_node())
+    # before any process group exists: the layout (with the model's, when its config.json is
+    # there: run_dir.check names a missing one next) and the engines' placement over the nodes
+    from pathlib import Path
+
+    from mugrpo_megatron.layout import check_layout, launcher_ranks_per_node
+    from mugrpo_megatron.learner.hf_config import read_model_spec
+
+    model = Path(cfg.model.path) / "config.json" if cfg.model.path else None
+    check_layout(cfg, world, args.gpus_per_node or launcher_ranks_per_node(),
+                 read_model_spec(model.parent) if model and model.is_file() else None)
     from mugrpo_megatron import distributed, run_dir
 
     start = run_dir.check(cfg, overwrite=args.overwrite)  # reads only; every rank, before groups
@@ -103,21 +112,38 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
-    from mugrpo_megatron.config import ParallelConfig
+    from mugrpo_megatron.config import ModelConfig, ParallelConfig
+    from mugrpo_megatron.layout import check_model
+    from mugrpo_megatron.learner.hf_config import read_model_spec
 
-    parallel = ParallelConfig(tensor=args.tp, pipeline=args.pp, expert=args.ep,
-                              distributed_optimizer=False)
-    import os
-
-    parallel.data_parallel(int(os.environ.get("WORLD_SIZE", "1")))  # layout check, before groups
     source, flag = (args.hf_dir, "--hf-dir") if args.to == "megatron" else (args.checkpoint,
                                                                           "--checkpoint")
     if not source:
         raise ValueError(f"--to {args.to} needs {flag}")
     if not Path(source).is_dir():
         raise ValueError(f"{flag}: {source} is not a directory")
+    from mugrpo_megatron.learner.checkpoint import HF_CONFIG_DIR
+
+    hf = Path(source) if args.to == "megatron" else Path(source) / HF_CONFIG_DIR
+    if not (hf / "config.json").is_file():
+        raise ValueError(f"{flag}: {source} has no {'' if args.to == 'megatron' else HF_CONFIG_DIR + '/'}"
+                         f"config.json" + ("" if args.to == "megatron" else ": it was not written "
+                                           "by mugrpo_megatron, so its architecture is unknown"))
+    spec = read_model_spec(hf)
+    # megatron-core builds a mixture-of-experts model at TP > 1 only with sequence parallel, which
+    # changes no weight: a conversion of one turns it on, and says so
+    sequence_parallel = spec.is_moe and args.tp > 1
+    if sequence_parallel:
+        print("note: sequence parallel on (megatron-core needs it for a mixture-of-experts model at "
+              "--tp > 1; no weight depends on it)")
+    parallel = ParallelConfig(tensor=args.tp, pipeline=args.pp, expert=args.ep,
+                              sequence_parallel=sequence_parallel, distributed_optimizer=False)
+    # the layout, before any process group
+    parallel.data_parallel(int(os.environ.get("WORLD_SIZE", "1")))
+    check_model(spec, ModelConfig(path=str(hf), dtype=args.dtype), parallel)
     outputs.check_destination(args.out, [source], overwrite=args.overwrite)
     from mugrpo_megatron.learner import convert
 

@@ -3,13 +3,12 @@ with dotted overrides).
 
 Every field has a docstring under it (``python -m mugrpo_megatron config`` prints them).
 Loading checks types and rejects unknown keys; each section validates its own values in
-``__post_init__``; ``Config.check_world_size`` validates the layout for a world size. All of this
-runs before any process group exists, and every error names the key and the bad value.
+``__post_init__``; ``layout.check_layout`` validates the layout for a world size and a model.
+All of this runs before any process group exists, and every error names the key and the value.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -233,38 +232,6 @@ class RolloutConfig(_Section):
     def per_node(self) -> bool:
         """Whether each node's first rank starts an engine (``placement`` node, or auto with SGLang)."""
         return self.engine == "sglang" and self.placement in ("auto", "node")
-
-    def spmd_replicas(self, world_size: int, gpus_per_node: int | None = None) -> int:
-        """Engine replicas spread over a job of ``world_size`` ranks; 0 when the job's one engine
-        runs on rank 0 alone (placement rank0, or spmd with one rank, where the plain in-process
-        engine is that replica). ValueError if the replicas do not tile the ranks, or (given
-        ``gpus_per_node``) if one replica's tensor-parallel group would span two nodes."""
-        if gpus_per_node is not None and self.tensor_parallel > gpus_per_node or (
-                self.spmd and gpus_per_node and gpus_per_node % self.tensor_parallel):
-            raise ValueError(f"rollout.tensor_parallel: {self.tensor_parallel} must "
-                             + ("divide" if self.spmd else "not exceed")
-                             + f" the {gpus_per_node} GPUs per node: an engine replica's "
-                               f"tensor-parallel group stays within a node")
-        if not self.spmd:
-            return 0
-        if world_size % self.tensor_parallel:
-            raise ValueError(f"rollout.tensor_parallel: {self.tensor_parallel} must divide the "
-                             f"world size {world_size} with placement spmd (each engine replica "
-                             f"spans {self.tensor_parallel} of the job's ranks"
-                             + ("; launch through torchrun with at least that many processes"
-                                if world_size < self.tensor_parallel else "") + ")")
-        return 0 if world_size == 1 else world_size // self.tensor_parallel
-
-    def describe_placement(self, world_size: int, ranks_per_node: int | None = None) -> str:
-        n = self.spmd_replicas(world_size)
-        if n:
-            return (f"{n} {self.engine} replica(s) at TP {self.tensor_parallel}, one engine TP rank "
-                    f"on every rank")
-        if self.per_node:
-            nodes = world_size // (ranks_per_node or world_size)
-            return (f"{nodes} {self.engine} engine(s) at TP {self.tensor_parallel}, one per node "
-                    f"(on each node's first rank)")
-        return f"one {self.engine} engine at TP {self.tensor_parallel}, on global rank 0"
 
 
 @dataclass(frozen=True)
@@ -539,28 +506,3 @@ class Config:
                 f"algo.samples_per_update: {self.algo.samples_per_update} is more than a phase "
                 f"generates (algo.prompts_per_phase x rollout.group_size = {samples_per_phase})"
             )
-
-    def check_world_size(self, world_size: int, gpus_per_node: int | None = None) -> int:
-        """Validate the learner's layout and the engines' placement for ``world_size`` processes
-        (``gpus_per_node`` of them per node, when known); returns the data-parallel size."""
-        if gpus_per_node is not None and (gpus_per_node < 1 or world_size % gpus_per_node
-                                          and world_size > gpus_per_node):
-            raise ValueError(f"--gpus-per-node: {gpus_per_node} does not divide the world size "
-                             f"{world_size}")
-        dp = self.parallel.data_parallel(world_size)
-        self.rollout.spmd_replicas(world_size, gpus_per_node)
-        per_step = dp * self.parallel.micro_batch_size
-        if self.algo.samples_per_update % per_step:
-            raise ValueError(
-                f"algo.samples_per_update: {self.algo.samples_per_update} is not divisible by "
-                f"data-parallel size x parallel.micro_batch_size = {dp} x "
-                f"{self.parallel.micro_batch_size} at world size {world_size}"
-            )
-        return dp
-
-
-def launcher_ranks_per_node() -> int | None:
-    """Processes per node as torchrun reports them (``LOCAL_WORLD_SIZE``: one per GPU on a GPU
-    cluster); None when not launched by torchrun."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(local) if local else None

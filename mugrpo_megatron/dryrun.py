@@ -38,7 +38,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mugrpo_megatron.config import Config
-from mugrpo_megatron.learner.fp8 import check_model_dims, token_multiple
+from mugrpo_megatron.layout import check_layout
+from mugrpo_megatron.learner.fp8 import token_multiple
 from mugrpo_megatron.learner.hf_config import ModelSpec, read_model_spec
 from mugrpo_megatron.learner.packing import pack_capacity
 from mugrpo_megatron.scheduler import describe_schedule
@@ -100,15 +101,8 @@ def _communicators(cfg: Config, dp: int) -> int:
 def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.0,
              gpus_per_node: int | None = None) -> dict:
     p = cfg.parallel
-    dp = cfg.check_world_size(world_size, gpus_per_node)
-    spec.check_tensor_parallel(p.tensor)
-    spec.check_expert_parallel(p.expert)
-    stages = p.pipeline * (p.virtual_pipeline or 1)
-    if spec.num_layers % stages:
-        raise ValueError(f"parallel.pipeline x virtual_pipeline = {stages} does not divide the "
-                         f"{spec.num_layers} layers")
-    if cfg.model.fp8_format is not None:
-        check_model_dims(spec, p)
+    layout = check_layout(cfg, world_size, gpus_per_node, spec)  # as train checks it
+    dp = layout.data_parallel
     h, tp = spec.hidden_size, p.tensor
     total = spec.num_parameters()
     embed = spec.vocab_size * h
@@ -171,7 +165,7 @@ def estimate(cfg: Config, spec: ModelSpec, world_size: int, gpu_gib: float = 80.
     ranks = gpus_per_node or world_size
     host_per_rank = (params_b + optim_b if offloaded else 0.0) + engine_weights
     return {
-        "world_size": world_size, "dp": dp, "gpu_gib": gpu_gib,
+        "world_size": world_size, "dp": dp, "gpu_gib": gpu_gib, "placement": layout.placement,
         "parameters_total": total, "parameters_per_gpu": stage_params,
         "params": params_b, "grads": grads_b, "optimizer": optim_b, "learner_state": state,
         "activations": act, "logits": logits, "learner": state + act + logits,
@@ -212,7 +206,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"layout: world {world_size} = TP {p.tensor} x PP {p.pipeline}"
         + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else "")
         + f" x DP {e['dp']}; sequence parallel {p.sequence_parallel}; distributed optimizer "
-          f"{p.distributed_optimizer}; {r.describe_placement(world_size, gpus_per_node)}",
+          f"{p.distributed_optimizer}; {e['placement'].describe()}",
         f"schedule: {describe_schedule(cfg)}; microbatches: {microbatch_tokens(cfg)[1]}",
         f"precision: {cfg.model.dtype}" + (f", FP8 {cfg.model.fp8_format} ({cfg.model.fp8_recipe})"
                                            if cfg.model.fp8_format else ""),

@@ -58,8 +58,8 @@ class Trainer:
     def __init__(self, cfg: Config, start: str = "new"):
         """Build the learner (process groups included), data, engine and reward workers.
 
-        The config must already have been checked for the world size (``check_world_size``) and
-        the run directory for this start (``run_dir.check``, which returns ``start``)."""
+        The layout must already have been checked (``layout.check_layout``) and the run
+        directory for this start (``run_dir.check``, which returns ``start``)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.logging.run_dir)
         self.learner = Learner(cfg)

@@ -86,14 +86,16 @@ def test_unknown_key_in_yaml_file(tmp_path):
 
 
 def test_world_size_checks():
+    from mugrpo_megatron.layout import check_layout
+
     cfg = load_config(None, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.micro_batch_size=2",
                              "algo.samples_per_update=64"])
-    assert cfg.check_world_size(8) == 2
+    assert check_layout(cfg, 8).data_parallel == 2
     with pytest.raises(ValueError,
                        match=r"world size 6 is not divisible by parallel\.tensor x parallel\.pipeline"):
-        cfg.check_world_size(6)
+        check_layout(cfg, 6)
     with pytest.raises(ValueError, match=r"algo\.samples_per_update: 64 is not divisible by .* 24 x 2"):
-        cfg.check_world_size(96)
+        check_layout(cfg, 96)
 
 
 def test_engine_placement():
@@ -107,11 +109,22 @@ def test_engine_placement():
                                          r"rollout\.tensor_parallel = 1 \(got 2\)"):
         load_config(None, ["rollout.placement=rank0", "rollout.tensor_parallel=2"])
     assert load_config(None, ["rollout.engine=sglang", "rollout.tensor_parallel=2"])
+    from mugrpo_megatron.layout import check_layout, placement
+
     cfg = load_config(None, ["rollout.tensor_parallel=4", "parallel.micro_batch_size=1",
                              "algo.samples_per_update=48"])
-    assert cfg.check_world_size(8) == 8
+    layout = check_layout(cfg, 8)
+    assert layout.data_parallel == 8 and layout.placement.replicas == 2
+    assert [layout.placement.replica(r) for r in range(8)] == [0] * 4 + [1] * 4
+    assert [r for r in range(8) if layout.placement.leads(r)] == [0, 4]
     with pytest.raises(ValueError, match=r"rollout\.tensor_parallel: 4 must divide the world size 6"):
-        cfg.check_world_size(6)
+        check_layout(cfg, 6)
+    # one SGLang engine a node, on its first rank; one vLLM engine on rank 0; spmd on one rank
+    node = placement(load_config(None, ["rollout.engine=sglang"]).rollout, 16, 8)
+    assert (node.kind, node.replicas, [r for r in range(16) if node.hosts(r)]) == ("node", 2, [0, 8])
+    rank0 = placement(load_config(None, ["rollout.placement=rank0"]).rollout, 4)
+    assert (rank0.kind, rank0.replicas, [r for r in range(4) if rank0.hosts(r)]) == ("rank0", 1, [0])
+    assert placement(load_config(None, []).rollout, 1).kind == "rank0"
 
 
 def test_checks_are_value_errors_also_for_direct_construction():

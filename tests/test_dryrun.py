@@ -6,6 +6,7 @@ from helpers import ROOT
 from mugrpo_megatron.__main__ import main
 from mugrpo_megatron.config_loader import load_config
 from mugrpo_megatron.dryrun import GIB, activation_bytes, dry_run, estimate
+from mugrpo_megatron.layout import check_layout
 from mugrpo_megatron.learner.hf_config import read_model_spec
 
 # config, world size, GPUs per node, architecture: the table scripts/dry_run_all.sh runs
@@ -34,7 +35,7 @@ def test_dry_run_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match="does not fit 80 GiB per GPU"):
         dry_run(cfg, 64, ROOT / "configs" / "models" / "llama-3.1-70b-instruct.json")
     with pytest.raises(ValueError, match="world size 9 is not divisible"):
-        load_config(ROOT / "configs" / "qwen2.5-math-7b_8xh100.yaml").check_world_size(9)
+        check_layout(load_config(ROOT / "configs" / "qwen2.5-math-7b_8xh100.yaml"), 9)
     cfg = load_config(ROOT / "configs" / "qwen2.5-math-7b_8xh100.yaml", ["parallel.tensor=8"])
     with pytest.raises(ValueError, match="does not divide the 28 attention heads"):
         dry_run(cfg, 8, ROOT / "configs" / "models" / "qwen2.5-math-7b.json")
@@ -118,3 +119,37 @@ def test_recompute_choices_are_estimated():
     e = estimate(cfg, spec, 64, gpus_per_node=8)
     assert e["peak_by_recompute"]["none"] >= e["peak_by_recompute"]["full"]
     assert e["activations"] == none and e["transitions"]["optimize"] > 40 * GIB
+
+
+@pytest.mark.parametrize("command", ["train", "dry-run", "convert"])
+def test_a_bad_layout_is_refused_before_any_process_group(tmp_path, command, capsys,
+                                                          monkeypatch):
+    """layout.check_layout, the one check: Qwen3-30B-A3B's 48 layers do not split over 5
+    pipeline stages, and train, train --dry-run and convert each say so in the same words before
+    any process group exists or anything is written (the learner's model build runs the same
+    check_model). train also refuses the mixture of experts at TP 2 without sequence parallel."""
+    import shutil
+
+    import torch.distributed as dist
+
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(ROOT / "configs" / "models" / "qwen3-30b-a3b.json", model / "config.json")
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    run, out = tmp_path / "run", tmp_path / "converted"
+    argv = {"train": ["train", "--set", f"model.path={model}", "--set", f"logging.run_dir={run}",
+                      "--set", "parallel.pipeline=5"],
+            "dry-run": ["train", "--dry-run", "--world-size", "5", "--hf-config",
+                        str(model / "config.json"), "--set", "parallel.pipeline=5"],
+            "convert": ["convert", "--to", "megatron", "--hf-dir", str(model), "--out", str(out),
+                        "--pp", "5"]}[command]
+    assert main(argv) == 2
+    assert "parallel.pipeline x virtual_pipeline = 5 does not divide the 48 layers" in \
+        capsys.readouterr().err
+    assert not dist.is_initialized() and not run.exists() and not out.exists()
+    if command == "train":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert main(["train", "--set", f"model.path={model}", "--set", f"logging.run_dir={run}",
+                     "--set", "parallel.tensor=2"]) == 2
+        assert "parallel.sequence_parallel: megatron-core needs it" in capsys.readouterr().err
+        assert not dist.is_initialized() and not run.exists()

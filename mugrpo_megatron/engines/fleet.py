@@ -31,17 +31,10 @@ import torch
 import torch.distributed as dist
 
 from mugrpo_megatron import distributed
-from mugrpo_megatron.config import RolloutConfig, launcher_ranks_per_node
+from mugrpo_megatron.config import RolloutConfig
 from mugrpo_megatron.engines import make_engine
 from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
-
-
-def _ranks_per_node(world: int) -> int:
-    """torchrun's processes per node (the whole world when not launched by torchrun)."""
-    local = launcher_ranks_per_node() or world
-    if world % local:
-        raise ValueError(f"{world} ranks do not split into nodes of {local}")
-    return local
+from mugrpo_megatron.layout import Placement, launcher_ranks_per_node, placement
 
 
 class EngineFailed(RuntimeError):
@@ -71,25 +64,17 @@ def share(n: int, part: int, parts: int) -> slice:
 class EngineFleet:
     """The job's rollout engines; ``engine`` is this rank's (None where it holds none)."""
 
-    def __init__(self, engine: RolloutEngine | None, cfg: RolloutConfig):
+    def __init__(self, engine: RolloutEngine | None, cfg: RolloutConfig,
+                 where: Placement | None = None):
         rank, world = distributed.world()
         self.engine = engine
         self.cfg = cfg
-        self.tensor_parallel = cfg.tensor_parallel
-        spread = cfg.spmd_replicas(world)
-        self.spmd = spread > 0
-        if self.spmd:
-            self.num_replicas = spread
-            self.replica = rank // cfg.tensor_parallel
-            self.is_leader = rank % cfg.tensor_parallel == 0
-        elif cfg.per_node:
-            local = _ranks_per_node(world)
-            self.num_replicas, self.replica = world // local, rank // local
-            self.is_leader = rank % local == 0
-        else:
-            self.num_replicas, self.replica, self.is_leader = 1, 0, rank == 0
-        """``is_leader``: whether this rank scores and persists its replica's answers."""
-        self._description = cfg.describe_placement(world, _ranks_per_node(world))
+        self.placement = where or placement(cfg, world, launcher_ranks_per_node())
+        """Where the job's engines run (``layout.placement``)."""
+        self.num_replicas = self.placement.replicas
+        self.replica = self.placement.replica(rank)
+        self.is_leader = self.placement.leads(rank)
+        """Whether this rank scores and persists its replica's answers."""
         self.has_weights = True
         """False while the engines hold placeholder weights (started without loading them)."""
         self.memory = "awake"
@@ -105,24 +90,24 @@ class EngineFleet:
         start with placeholder weights and refuse to generate until ``update_weights`` ran
         (see ``make_engine``)."""
         rank, world = distributed.world()
-        spmd = cfg.spmd_replicas(world, launcher_ranks_per_node()) > 0
-        per_node = not spmd and cfg.per_node
-        local = _ranks_per_node(world)
+        where = placement(cfg, world, launcher_ranks_per_node())
         engine = None
         try:
             with distributed.agreed(EngineFailed, "the rollout engine did not start: {}".format):
-                if spmd or rank == 0 or (per_node and rank % local == 0):
+                if where.hosts(rank):
                     # engines seeded once (not per request, as SGLang) draw apart on each node
-                    engine_cfg = replace(cfg, seed=cfg.seed + rank // local) if per_node else cfg
+                    engine_cfg = replace(cfg, seed=cfg.seed + where.replica(rank)) \
+                        if where.kind == "node" else cfg
                     engine = make_engine(engine_cfg, model_dir, dtype=dtype,
                                          max_model_len=max_model_len,
-                                         trust_remote_code=trust_remote_code, spmd=spmd,
-                                         load_weights=load_weights, timeout_minutes=timeout_minutes)
+                                         trust_remote_code=trust_remote_code,
+                                         spmd=where.kind == "spmd", load_weights=load_weights,
+                                         timeout_minutes=timeout_minutes)
         except EngineFailed:
             if engine is not None:  # started here, but another rank's did not
                 engine.shutdown()
             raise
-        fleet = cls(engine, cfg)
+        fleet = cls(engine, cfg, where)
         fleet.has_weights = load_weights
         return fleet
 
@@ -134,7 +119,7 @@ class EngineFleet:
         ``sampling.seed + i * sampling.n`` whichever replica serves it (on engines that seed per
         request), so the samples do not depend on the number of replicas."""
         self.check_has_weights()
-        if self.spmd and self.tensor_parallel > 1 and sampling.seed is None:
+        if self.placement.kind == "spmd" and self.cfg.tensor_parallel > 1 and sampling.seed is None:
             # each rank of a replica samples on its own; unseeded, they could draw different
             # tokens and their schedulers would part ways
             raise ValueError("a seed is needed with engine replicas at TP > 1 (placement spmd)")
@@ -214,4 +199,4 @@ class EngineFleet:
             self.engine = None
 
     def describe(self) -> str:
-        return self._description
+        return self.placement.describe()

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -26,23 +25,14 @@ from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.hf_config import read_model_spec
 from mugrpo_megatron.learner.model import build_chunks, init_parallel, load_hf_weights
 
-
-def _for_weights(parallel: ParallelConfig, spec) -> ParallelConfig:
-    """megatron-core builds an MoE model with TP > 1 only with sequence parallel on; it does not
-    change any weight, so conversion turns it on for such models."""
-    if spec.is_moe and parallel.tensor > 1 and not parallel.sequence_parallel:
-        return replace(parallel, sequence_parallel=True)
-    return parallel
-
-
 CONVERT_AGAIN = "run the conversion again"
 
 
 def hf_to_megatron(hf_dir: Path, out: Path, parallel: ParallelConfig, dtype: str) -> None:
     """Collective. ``out`` is written whole beside itself and renamed into place (the caller
-    checked that it may be replaced: ``outputs.check_destination``)."""
+    checked the layout, ``layout.check_model``, and that ``out`` may be replaced:
+    ``outputs.check_destination``)."""
     spec = read_model_spec(hf_dir)
-    parallel = _for_weights(parallel, spec)
     layout = init_parallel(parallel, seed=0)
     chunks = build_chunks(spec, ModelConfig(path=str(hf_dir), dtype=dtype), parallel)
     load_hf_weights(chunks, spec, hf_dir, layout.tp_rank, layout.tp_size)
@@ -57,7 +47,6 @@ def megatron_to_hf(ckpt: Path, out: Path, parallel: ParallelConfig, dtype: str) 
         raise ValueError(f"--checkpoint: {ckpt} has no {HF_CONFIG_DIR}/config.json; it was not "
                          f"written by mugrpo_megatron, so its architecture is unknown")
     spec = read_model_spec(hf_config)
-    parallel = _for_weights(parallel, spec)
     init_parallel(parallel, seed=0)
     chunks = build_chunks(spec, ModelConfig(path=str(hf_config), dtype=dtype), parallel)
     load_model_state(chunks, ckpt)

@@ -33,7 +33,7 @@ from safetensors import safe_open
 
 from mugrpo_megatron.config import ModelConfig, ParallelConfig
 from mugrpo_megatron.distributed import init_default_group
-from mugrpo_megatron.learner.fp8 import check_model_dims
+from mugrpo_megatron.layout import check_model
 from mugrpo_megatron.learner.hf_config import ModelSpec, gpt_model_kwargs
 from mugrpo_megatron.learner.mapping import map_param, shard_from_hf
 
@@ -201,20 +201,11 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | 
 
 
 def build_chunks(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -> list[GPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage), weights uninitialised."""
-    spec.check_tensor_parallel(parallel.tensor)
-    spec.check_expert_parallel(parallel.expert)
+    """This rank's model chunks (one per virtual pipeline stage), weights uninitialised; the
+    layout checked as ``train``, the dry run and ``convert`` check it (``layout.check_model``)."""
+    check_model(spec, model, parallel)
     if spec.is_moe:
-        if parallel.tensor > 1 and not parallel.sequence_parallel:
-            raise ValueError("parallel.sequence_parallel: megatron-core needs it for a "
-                             "mixture-of-experts model with parallel.tensor > 1")
         define_missing_te_gemm()
-    stages = parallel.pipeline * (parallel.virtual_pipeline or 1)
-    if spec.num_layers % stages:
-        raise ValueError(f"parallel.pipeline x virtual_pipeline = {stages} does not divide the "
-                         f"{spec.num_layers} layers of the model")
-    if model.fp8_format is not None:
-        check_model_dims(spec, parallel)
     config = transformer_config(spec, model, parallel)
     chunks = []
     vp = parallel.virtual_pipeline
