@@ -57,6 +57,35 @@ def random_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: i
     return to_batch(samples)
 
 
+def spawn_ranks(target, *args, ranks: int = 2, timeout: float = 600) -> list[int | None]:
+    """``target(rank, *args)`` in ``ranks`` fresh processes (spawned: no state of this one),
+    each killed past ``timeout`` seconds; their exit codes. The targets form their gloo world
+    themselves, through a file rendezvous (``gloo_world``), so no port is raced for."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, *args), daemon=True) for r in range(ranks)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=timeout)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return [proc.exitcode for proc in procs]
+
+
+def gloo_world(rank: int, ranks: int, directory: str | Path, minutes: float = 60) -> None:
+    """Join a gloo world of ``ranks`` through a rendezvous file in ``directory``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank,
+                            world_size=ranks, timeout=datetime.timedelta(minutes=minutes))
+
+
 def summarize(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "n": len(values)}

@@ -92,7 +92,7 @@ def ceiling(args) -> dict:
 
 
 def make_model(size: str) -> Path:
-    from mugrpo_megatron.tiny import make_tiny_checkpoint
+    from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
     path = Path(tempfile.gettempdir()) / f"mugrpo_device_check_{size}"
     if not (path / "config.json").exists():
@@ -113,7 +113,7 @@ def make_learner(path: Path, args, fp8: bool):
     if fp8:
         sets += ["model.fp8_format=hybrid", "model.fp8_recipe=delayed"]
     cfg = load_config(None, sets)
-    return cfg, Learner(cfg)
+    return cfg, Learner.from_config(cfg)
 
 
 def learner_section(path: Path, args, fp8: bool, state: dict) -> dict:

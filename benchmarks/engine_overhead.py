@@ -35,7 +35,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model)
         if args.model == "tiny":
-            from mugrpo_megatron.tiny import make_tiny_checkpoint
+            from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
             model = make_tiny_checkpoint(Path(tmp) / "m", "llama", hidden_size=256,
                                          ffn_hidden_size=704, num_heads=4, vocab_size=4096)

@@ -77,7 +77,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model)
         if args.model == "tiny":
-            from mugrpo_megatron.tiny import make_tiny_checkpoint
+            from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
             model = make_tiny_checkpoint(Path(tmp) / "model", "llama", seed=0)
         results = {"grpo_mu4": [], f"mugrpo_mu{args.mu}": []}

@@ -28,7 +28,7 @@ from mugrpo_megatron.config_loader import load_config  # noqa: E402
 from mugrpo_megatron.engines.fleet import EngineFleet  # noqa: E402
 from mugrpo_megatron.learner.export import iter_hf_tensors  # noqa: E402
 from mugrpo_megatron.learner.learner import Learner  # noqa: E402
-from mugrpo_megatron.tiny import make_tiny_checkpoint  # noqa: E402
+from mugrpo_megatron.models.tiny import make_tiny_checkpoint  # noqa: E402
 
 SIZES = {"h256": dict(hidden_size=256, ffn_hidden_size=704, num_heads=4, num_kv_heads=2),
          "h512": dict(hidden_size=512, ffn_hidden_size=1408, num_heads=8, num_kv_heads=4),
@@ -59,7 +59,7 @@ def main() -> None:
                                  "parallel.micro_batch_size=8", "parallel.distributed_optimizer=false",
                                  "algo.samples_per_update=32", "algo.total_updates=8",
                                  "algo.updates_per_phase=4", "optim.lr=1e-5"])
-        learner = Learner(cfg)
+        learner = Learner.from_config(cfg)
         engines = EngineFleet.start(cfg.rollout, path, dtype="float32", max_model_len=256)
         batch = random_batch(32, 32, 96, 4000)
         learner.train_step(batch)  # warm-up

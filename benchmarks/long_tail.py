@@ -180,7 +180,7 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
-            from mugrpo_megatron.tiny import make_tiny_checkpoint
+            from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
             args.model = str(make_tiny_checkpoint(Path(tmp) / "m", "llama", hidden_size=256,
                                                   ffn_hidden_size=704, num_heads=4,

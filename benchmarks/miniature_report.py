@@ -69,43 +69,43 @@ def _after(s: dict) -> str:
     return f"{s['after']:.3f}{spread}"
 
 
+def _markdown(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def grid_table(summary: dict[str, dict], keys: list[tuple[str, str]]) -> str:
     """The Table-1-shaped table: (setting key, label) in order."""
-    lines = ["| run | seeds | held-out before | held-out after | peak | T_roll s | T_total s | "
-             "syncs | clip frac | veto frac | E[rho \\| A<0] | mean \\|log rho\\| | late in a "
-             "phase |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for key, label in keys:
         s = summary[key]
-        lines.append(
-            f"| {label} | {s['seeds']} | {s['before']:.3f} | {_after(s)} | {s['peak']:.3f} | "
-            f"{s['rollout']:.1f} | {s['total']:.1f} | {s['syncs']} | {s['late_clip_frac']:.4f} | "
-            f"{s['late_veto_frac']:.4f} | {s['late_rho_neg_mean']:.3f} | "
-            f"{s['late_abs_log_ratio_mean']:.3f} | {s['late_phase_abs_log_ratio']:.3f} |")
-    return "\n".join(lines)
+        rows.append([label, str(s["seeds"]), f"{s['before']:.3f}", _after(s), f"{s['peak']:.3f}",
+                     f"{s['rollout']:.1f}", f"{s['total']:.1f}", str(s["syncs"]),
+                     f"{s['late_clip_frac']:.4f}", f"{s['late_veto_frac']:.4f}",
+                     f"{s['late_rho_neg_mean']:.3f}", f"{s['late_abs_log_ratio_mean']:.3f}",
+                     f"{s['late_phase_abs_log_ratio']:.3f}"])
+    return _markdown(["run", "seeds", "held-out before", "held-out after", "peak", "T_roll s",
+                      "T_total s", "syncs", "clip frac", "veto frac", "E[rho \\| A<0]",
+                      "mean \\|log rho\\|", "late in a phase"], rows)
 
 
 def uniform_table(summary: dict[str, dict], keys: list[tuple[str, str, str]]) -> str:
     """(setting key, label, policy): the headline rows under each uniform-group policy."""
-    lines = ["| run | uniform groups | seeds | uniform fraction | passes a phase | held-out "
-             "after | peak | late in a phase |", "|---|---|---|---|---|---|---|---|"]
-    for key, label, policy in keys:
-        s = summary[key]
-        lines.append(f"| {label} | {policy} | {s['seeds']} | {s['uniform_frac']:.2f} | "
-                     f"{s['passes']:.2f} | {_after(s)} | {s['peak']:.3f} | "
-                     f"{s['late_phase_abs_log_ratio']:.3f} |")
-    return "\n".join(lines)
+    rows = [[label, policy, str(summary[key]["seeds"]), f"{summary[key]['uniform_frac']:.2f}",
+             f"{summary[key]['passes']:.2f}", _after(summary[key]), f"{summary[key]['peak']:.3f}",
+             f"{summary[key]['late_phase_abs_log_ratio']:.3f}"] for key, label, policy in keys]
+    return _markdown(["run", "uniform groups", "seeds", "uniform fraction", "passes a phase",
+                      "held-out after", "peak", "late in a phase"], rows)
 
 
 def phases_table(summary: dict[str, dict], keys: list[tuple[str, int, int]]) -> str:
     """(setting key, phases, mu): Mu-GRPO at equal total updates."""
-    lines = ["| phases | mu | seeds | held-out after | peak | T_roll s | T_total s | late in a "
-             "phase | E[rho \\| A<0] |", "|---|---|---|---|---|---|---|---|---|"]
-    for key, phases, mu in keys:
-        s = summary[key]
-        lines.append(f"| {phases} | {mu} | {s['seeds']} | {_after(s)} | {s['peak']:.3f} | "
-                     f"{s['rollout']:.1f} | {s['total']:.1f} | {s['late_phase_abs_log_ratio']:.3f} "
-                     f"| {s['late_rho_neg_mean']:.3f} |")
-    return "\n".join(lines)
+    rows = [[str(phases), str(mu), str(summary[key]["seeds"]), _after(summary[key]),
+             f"{summary[key]['peak']:.3f}", f"{summary[key]['rollout']:.1f}",
+             f"{summary[key]['total']:.1f}", f"{summary[key]['late_phase_abs_log_ratio']:.3f}",
+             f"{summary[key]['late_rho_neg_mean']:.3f}"] for key, phases, mu in keys]
+    return _markdown(["phases", "mu", "seeds", "held-out after", "peak", "T_roll s", "T_total s",
+                      "late in a phase", "E[rho \\| A<0]"], rows)
 
 
 def plot(runs: dict[str, list[dict]], keys: list[tuple[str, str]], path: Path) -> None:

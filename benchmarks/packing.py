@@ -99,8 +99,8 @@ def cpu_update_times(args) -> dict:
     torch.set_num_threads(args.threads)
     from mugrpo_megatron.config_loader import load_config
     from mugrpo_megatron.learner.learner import Learner
+    from mugrpo_megatron.models.tiny import make_tiny_checkpoint
     from mugrpo_megatron.rollout import padded_batch
-    from mugrpo_megatron.tiny import make_tiny_checkpoint
 
     scale = args.cpu_longest / (args.max_prompt + args.max_response)
     rng = np.random.default_rng(args.seed + 1)
@@ -115,7 +115,7 @@ def cpu_update_times(args) -> dict:
             "algo.updates_per_phase=64", "optim.lr=1e-5", "parallel.pack_tokens=0",
             f"data.max_prompt_tokens={int(args.max_prompt * scale)}",
             f"rollout.max_new_tokens={args.cpu_longest - int(args.max_prompt * scale)}"])
-        learner = Learner(cfg)
+        learner = Learner.from_config(cfg)
         gen = np.random.default_rng(3)
         rows = [(gen.integers(5, 4000, int(p)), gen.integers(5, 4000, int(r)),
                  -gen.random(int(r)).astype(np.float32)) for p, r in zip(prompt, response)]
@@ -158,8 +158,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "packing.json"))
     ap.add_argument("--quick", action="store_true", help="8 updates; CPU: 8 sequences of <= 128")
     args = ap.parse_args()
-    if args.quick:
+    if args.quick:  # one thread: in the suite it runs beside another test file
         args.updates, args.cpu_batch, args.cpu_longest, args.repeats = 8, 8, 128, 1
+        args.threads = 1
         args.out = str(Path(tempfile.gettempdir()) / "packing_quick.json")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     t = token_table(args)

@@ -304,7 +304,7 @@ def main() -> int:
     step, step_source = learner_step_s(args)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         work = Path(tmp)
-        from mugrpo_megatron.tiny import make_tokenizer
+        from mugrpo_megatron.models.tiny import make_tokenizer
 
         make_tokenizer(work / "tok")
         rows, results = [], {}

@@ -2,7 +2,7 @@
 with 2 gloo ranks, through the package's own code.
 
 For each size a JSON-lines file of synthetic prompts (~100 tokens each after the chat template,
-with a real HF tokenizer: the tiny byte-level BPE of ``mugrpo_megatron.tiny``) is written once;
+with a real HF tokenizer: the tiny byte-level BPE of ``mugrpo_megatron.models.tiny``) is written once;
 then two fresh processes form a gloo world and, as the trainer does at start,
 
 - **new** (``data.prompt_store.open_prompt_set``): rank 0 tokenizes the file into the run
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import sys
@@ -40,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import table, write_json  # noqa: E402
+from common import gloo_world, spawn_ranks, table, write_json  # noqa: E402
 
 PHASE_PROMPTS = 16_384
 WORDS = ("what is the answer to add numbers trees grove workers plant today there are how many "
@@ -69,8 +68,6 @@ def rss() -> dict[str, float]:
 def rank_main(rank: int, args: dict, out: str) -> None:
     if args["old_tree"]:
         sys.path.insert(0, args["old_tree"])
-    import datetime
-
     import numpy as np
     import torch.distributed as dist
     from phase_scale import PeakMemory
@@ -79,8 +76,7 @@ def rank_main(rank: int, args: dict, out: str) -> None:
     from mugrpo_megatron.config_loader import load_config
     from mugrpo_megatron.data import load_prompts
 
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(minutes=60))
+    gloo_world(rank, 2, out)
     cfg = load_config(None, [f"model.path={args['model']}", f"data.path={args['data']}",
                              f"logging.run_dir={args['run_dir']}", "logging.progress=false"])
     tok = AutoTokenizer.from_pretrained(args["model"])
@@ -126,18 +122,9 @@ def run_size(n: int, mode: str, args, work: Path, model: str) -> list[dict]:
     spec = {"mode": mode, "model": model, "data": str(data),
             "run_dir": str(run_dir if mode != "old" else out / "run"),
             "old_tree": args.old_tree if mode == "old" else None}
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, spec, str(out)), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=3600)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    if any(p.exitcode for p in procs):
-        raise RuntimeError(f"{mode} at {n} prompts: a rank failed ({[p.exitcode for p in procs]})")
+    codes = spawn_ranks(rank_main, spec, str(out), timeout=3600)
+    if any(codes):
+        raise RuntimeError(f"{mode} at {n} prompts: a rank failed (exit codes {codes})")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -158,7 +145,7 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         work = Path(tmp)
-        from mugrpo_megatron.tiny import make_tokenizer
+        from mugrpo_megatron.models.tiny import make_tokenizer
 
         model = work / "model"
         make_tokenizer(model)

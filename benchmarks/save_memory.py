@@ -66,7 +66,7 @@ def worker(model: Path, fmt: str, out: Path) -> None:
                              "parallel.distributed_optimizer=true", "parallel.micro_batch_size=2",
                              "algo.samples_per_update=4", "algo.total_updates=4",
                              "algo.updates_per_phase=4"])
-    learner = Learner(cfg)
+    learner = Learner.from_config(cfg)
     learner.train_step(random_batch(4, 16, 16, learner.spec.vocab_size))
     params = sum(p.numel() for c in learner.chunks() for p in c.parameters())
     dp = learner.layout.dp_size
@@ -107,7 +107,7 @@ def main() -> None:
     if args.worker:
         worker(Path(args.model), args.worker, Path(args.out))
         return
-    from mugrpo_megatron.tiny import make_tiny_checkpoint
+    from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
     mib = lambda b: b / 2**20  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:

@@ -78,7 +78,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mugrpo_megatron.layout import check_layout, launcher_ranks_per_node
-    from mugrpo_megatron.learner.hf_config import read_model_spec
+    from mugrpo_megatron.models.hf_config import read_model_spec
 
     model = Path(cfg.model.path) / "config.json" if cfg.model.path else None
     check_layout(cfg, world, args.gpus_per_node or launcher_ranks_per_node(),
@@ -117,7 +117,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     from mugrpo_megatron.config import ModelConfig, ParallelConfig
     from mugrpo_megatron.layout import check_model
-    from mugrpo_megatron.learner.hf_config import read_model_spec
+    from mugrpo_megatron.models.hf_config import read_model_spec
 
     source, flag = (args.hf_dir, "--hf-dir") if args.to == "megatron" else (args.checkpoint,
                                                                           "--checkpoint")

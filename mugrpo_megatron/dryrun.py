@@ -40,8 +40,8 @@ from pathlib import Path
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.layout import check_layout
 from mugrpo_megatron.learner.fp8 import token_multiple
-from mugrpo_megatron.learner.hf_config import ModelSpec, read_model_spec
 from mugrpo_megatron.learner.packing import pack_capacity
+from mugrpo_megatron.models.hf_config import ModelSpec, read_model_spec
 from mugrpo_megatron.scheduler import describe_schedule
 
 GIB = 1 << 30
@@ -68,7 +68,8 @@ def microbatch_tokens(cfg: Config) -> tuple[int, str]:
     packs there, into rows of micro_batch_size x the longest sequence), or micro_batch_size rows
     padded to the longest sequence."""
     p = cfg.parallel
-    packed = pack_capacity(cfg, thd=True, multiple=token_multiple(cfg.model, p))
+    packed = pack_capacity(p, cfg.max_sequence_tokens, thd=True,
+                           multiple=token_multiple(cfg.model, p))
     if packed:
         return packed, f"packed rows of {packed} tokens (THD through Transformer Engine)"
     return p.micro_batch_size * cfg.max_sequence_tokens, \

@@ -21,7 +21,7 @@ from typing import Literal
 
 from mugrpo_megatron.config import Config, ModelConfig, ParallelConfig, RolloutConfig
 from mugrpo_megatron.learner.fp8 import check_model_dims
-from mugrpo_megatron.learner.hf_config import ModelSpec
+from mugrpo_megatron.models.hf_config import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class Trainer:
         directory for this start (``run_dir.check``, which returns ``start``)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.logging.run_dir)
-        self.learner = Learner(cfg)
+        self.learner = Learner.from_config(cfg)
         self.rank0 = dist.get_rank() == 0
         # no rank looks into the run directory before it is this run's (a barrier)
         on_rank0(record_start, cfg, start, dist.get_world_size())

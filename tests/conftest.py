@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory):
-    from mugrpo_megatron.tiny import make_tokenizer
+    from mugrpo_megatron.models.tiny import make_tokenizer
 
     return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 

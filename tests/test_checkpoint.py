@@ -8,7 +8,7 @@ import torch
 from helpers import ROOT, make_batch, torchrun
 from safetensors.torch import load_file
 
-from mugrpo_megatron.tiny import make_tiny_checkpoint
+from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "dist" / "ckpt_worker.py"

@@ -18,7 +18,7 @@ from helpers import ROOT, make_batch, torchrun
 
 from mugrpo_megatron.learner.checkpoint import usable_checkpoint
 from mugrpo_megatron.learner.compat_dcp import read_metadata, verify_checkpoint
-from mugrpo_megatron.tiny import make_tiny_checkpoint
+from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

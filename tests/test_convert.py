@@ -11,7 +11,7 @@ import torch
 from helpers import ROOT, cli_under_torchrun
 from safetensors.torch import load_file
 
-from mugrpo_megatron.tiny import make_tiny_checkpoint
+from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

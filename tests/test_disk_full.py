@@ -16,8 +16,8 @@ import torch
 from mugrpo_megatron import outputs
 from mugrpo_megatron.config import LoggingConfig
 from mugrpo_megatron.metrics import MetricsLogger
+from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 from mugrpo_megatron.phase_store import ScoredGroup, finalize, write_shard
-from mugrpo_megatron.tiny import make_tiny_checkpoint
 
 
 def mount_tmpfs(path: Path, size: str) -> None:

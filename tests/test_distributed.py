@@ -4,20 +4,18 @@ the other ranks' collectives, no failure raises nothing, and a collective timeou
 untouched (the ranks are out of step: waiting for an agreement would take as long again)."""
 
 import json
-import multiprocessing
 from pathlib import Path
+
+from common import gloo_world, spawn_ranks
 
 
 def _rank(rank: int, out: str) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     from mugrpo_megatron.distributed import agreed
 
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(minutes=5))
+    gloo_world(rank, 2, out, minutes=5)
     seen: dict[str, str] = {}
 
     def case(name, body, explain=lambda e: e):
@@ -54,15 +52,7 @@ def _rank(rank: int, out: str) -> None:
 
 
 def test_failures_are_agreed_on_every_rank(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path)), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert spawn_ranks(_rank, str(tmp_path), timeout=300) == [0, 0]
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for s in seen:
         assert s["one_rank"] == "ValueError: sync failed: KeyError: 'boom'", s

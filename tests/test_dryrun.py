@@ -7,7 +7,7 @@ from mugrpo_megatron.__main__ import main
 from mugrpo_megatron.config_loader import load_config
 from mugrpo_megatron.dryrun import GIB, activation_bytes, dry_run, estimate
 from mugrpo_megatron.layout import check_layout
-from mugrpo_megatron.learner.hf_config import read_model_spec
+from mugrpo_megatron.models.hf_config import read_model_spec
 
 # config, world size, GPUs per node, architecture: the table scripts/dry_run_all.sh runs
 CONFIGS = [tuple(line.split("\t")) for line in
@@ -65,7 +65,7 @@ def test_every_transition_of_a_phase_is_budgeted():
     engine without the learner (it no longer comes back before the engine sleeps), and the
     margin is kept."""
     from mugrpo_megatron.dryrun import GIB, TRANSITIONS, estimate
-    from mugrpo_megatron.learner.hf_config import read_model_spec
+    from mugrpo_megatron.models.hf_config import read_model_spec
 
     spec = read_model_spec(ROOT / "configs" / "models" / "llama-3.1-70b-instruct.json")
     cfg = load_config(ROOT / "configs" / "llama-3.1-70b_8x8xh100_fp8.yaml")

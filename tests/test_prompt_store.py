@@ -4,12 +4,12 @@ token ids depend on and nothing else; a rank holds nothing per prompt; rank 0 to
 rank reads, and rank 0's error reaches every rank."""
 
 import json
-import multiprocessing
 import random
 import tracemalloc
 from pathlib import Path
 
 import pytest
+from common import gloo_world, spawn_ranks
 
 from mugrpo_megatron.config_loader import load_config
 from mugrpo_megatron.data import load_prompts
@@ -138,15 +138,12 @@ def test_a_rank_holds_nothing_per_prompt(tmp_path, tokenizer, model_dir):
 def _rank(rank: int, cfg_args: list[str], out: str) -> None:
     """One rank of a 2-rank gloo world calling open_prompt_set (a file rendezvous: no port to
     race for beside other tests)."""
-    import datetime
-
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from mugrpo_megatron.distributed import RemoteFailure
 
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(minutes=5))
+    gloo_world(rank, 2, out, minutes=5)
     cfg = load_config(None, cfg_args)
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     notes: list[str] = []
@@ -161,18 +158,8 @@ def _rank(rank: int, cfg_args: list[str], out: str) -> None:
 
 
 def _two_ranks(cfg_args: list[str], out: Path) -> list[dict]:
-    ctx = multiprocessing.get_context("spawn")
     out.mkdir(parents=True, exist_ok=True)
-    procs = [ctx.Process(target=_rank, args=(r, cfg_args, str(out)), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert spawn_ranks(_rank, cfg_args, str(out)) == [0, 0]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

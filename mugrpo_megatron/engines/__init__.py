@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mugrpo_megatron.config import RolloutConfig
 from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
+from mugrpo_megatron.models import read_model_spec
 
 __all__ = ["Generation", "RolloutEngine", "SamplingSpec", "WeightSyncStats", "make_engine"]
 
@@ -24,11 +24,9 @@ def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_mo
     'dummy' load format), which the first ``update_weights`` replaces: at 70B that saves reading
     141 GB per node from shared storage at every start. ``timeout_minutes`` is given to the
     engine's own process groups (None: torch's defaults, 10 minutes for NCCL)."""
-    config = Path(model_dir) / "config.json"
-    if config.is_file():
-        positions = json.loads(config.read_text()).get("max_position_embeddings")
-        if positions:
-            max_model_len = min(max_model_len, int(positions))
+    spec = read_model_spec(model_dir)
+    if spec.max_position_embeddings:
+        max_model_len = min(max_model_len, spec.max_position_embeddings)
     common = dict(dtype=dtype, max_model_len=max_model_len, trust_remote_code=trust_remote_code,
                   load_weights=load_weights, timeout_minutes=timeout_minutes)
     if cfg.engine == "vllm":

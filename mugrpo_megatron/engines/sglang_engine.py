@@ -21,7 +21,6 @@ GPU: ``enable_memory_saver`` lets ``sleep()`` release weights and KV cache
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -32,6 +31,7 @@ import torch
 from mugrpo_megatron.config import RolloutConfig
 from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
 from mugrpo_megatron.engines.compat_torch import torch_state_kept
+from mugrpo_megatron.models import read_model_spec
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -39,12 +39,8 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def _cpu_kv_tokens(model_dir: Path, dtype: str, gib: float) -> int:
     """How many tokens of KV cache fit in ``gib`` GiB (SGLang's CPU engine sizes its cache in
     tokens)."""
-    c = json.loads((model_dir / "config.json").read_text())
-    c = c.get("text_config", c)
-    heads = c["num_attention_heads"]
-    head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    kv_heads = c.get("num_key_value_heads", heads)
-    per_token = 2 * c["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES[dtype]
+    spec = read_model_spec(model_dir)
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * _DTYPE_BYTES[dtype]
     return max(1, int(gib * 2**30 // per_token))
 
 

@@ -118,11 +118,11 @@ def save_learner(learner, path: Path, counters: dict[str, int],
         state = _sharded_state(learner, loading=False, with_optimizer=with_optimizer,
                                optimizer_format=optimizer_format)
     save_checkpoint(state, path,
-                    hf_source=Path(learner.cfg.model.path), state={
+                    hf_source=learner.hf_dir, state={
                         "counters": counters,
                         "scheduler": learner.scheduler.state_dict(),
                         "num_updates": learner.num_updates,
-                        "distributed_optimizer": learner.cfg.parallel.distributed_optimizer,
+                        "distributed_optimizer": learner.parallel.distributed_optimizer,
                         "optimizer_state": with_optimizer,
                         "optimizer_format": optimizer_format,
                     }, content_metadata=_opt_metadata(optimizer_format))
@@ -211,10 +211,10 @@ def load_learner(learner, path: Path) -> dict[str, int]:
         _load_model_only(learner, path)
         return {"update": 0, "phase": 0}
     saved_distopt = meta.get("distributed_optimizer")
-    if saved_distopt is not None and saved_distopt != learner.cfg.parallel.distributed_optimizer:
+    if saved_distopt is not None and saved_distopt != learner.parallel.distributed_optimizer:
         raise ValueError(
             f"parallel.distributed_optimizer: the checkpoint {path} was saved with "
-            f"{saved_distopt}, this run has {learner.cfg.parallel.distributed_optimizer}; "
+            f"{saved_distopt}, this run has {learner.parallel.distributed_optimizer}; "
             f"TP/PP/DP sizes may change on resume, this setting may not")
     if not meta.get("optimizer_state", True):  # saved before the first update
         _load_model_only(learner, path)

@@ -22,8 +22,8 @@ from mugrpo_megatron.learner.checkpoint import (
     save_checkpoint,
 )
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
-from mugrpo_megatron.learner.hf_config import read_model_spec
 from mugrpo_megatron.learner.model import build_chunks, init_parallel, load_hf_weights
+from mugrpo_megatron.models.hf_config import read_model_spec
 
 CONVERT_AGAIN = "run the conversion again"
 

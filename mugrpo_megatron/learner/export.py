@@ -25,9 +25,9 @@ from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
 
 from mugrpo_megatron import distributed, outputs
-from mugrpo_megatron.learner.hf_config import TOKENIZER_FILES, ModelSpec
-from mugrpo_megatron.learner.mapping import ParamMap, hf_from_shards, tp_split_dim
 from mugrpo_megatron.learner.model import expert_offset, named_hf_params
+from mugrpo_megatron.models.hf_config import TOKENIZER_FILES, ModelSpec
+from mugrpo_megatron.models.mapping import ParamMap, hf_from_shards, tp_split_dim
 
 
 def _stage_entries(chunks: list[torch.nn.Module], spec: ModelSpec

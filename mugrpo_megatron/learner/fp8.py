@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from mugrpo_megatron.config import ModelConfig, ParallelConfig
-from mugrpo_megatron.learner.hf_config import ModelSpec
+from mugrpo_megatron.models.hf_config import ModelSpec
 
 _MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
 

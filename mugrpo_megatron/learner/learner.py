@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -25,24 +26,24 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.distributed import (
     DistributedDataParallel,
-    DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from mugrpo_megatron import distributed
-from mugrpo_megatron.config import Config
+from mugrpo_megatron.config import Config, ModelConfig, OptimConfig, ParallelConfig
 from mugrpo_megatron.learner.fp8 import round_up, token_multiple
-from mugrpo_megatron.learner.hf_config import read_model_spec
 from mugrpo_megatron.learner.model import (
     DTYPES,
     build_chunks,
+    ddp_config,
     init_parallel,
     load_hf_weights,
+    lr_schedule,
+    optimizer_config,
     uses_transformer_engine,
 )
 from mugrpo_megatron.learner.offload import HostOffload, OffloadStats
@@ -53,10 +54,14 @@ from mugrpo_megatron.learner.packing import (
     plan_bins,
     sequence_lengths,
 )
+from mugrpo_megatron.models.hf_config import read_model_spec
 from mugrpo_megatron.objective import metric_sums, metrics_from_sums, policy_loss
 from mugrpo_megatron.types import TokenBatch, TrainBatch
 
 _PAD_LOGIT = -1e30  # padded vocabulary entries: exp() of it is 0, and 0 * it is not NaN
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(log-probs, behaviour log-probs, advantages, loss mask, num_tokens=) -> (loss, metrics): the
+objective a train step minimises (``objective.policy_loss`` with a run's clip and veto)."""
 
 
 @dataclass
@@ -106,55 +111,60 @@ def _next_aligned(x: torch.Tensor) -> torch.Tensor:
 class Learner:
     """megatron-core GPTModel chunks with DDP, the (distributed) optimizer and an LR schedule."""
 
-    def __init__(self, cfg: Config, hf_dir: str | Path | None = None):
-        self.cfg = cfg
-        hf_dir = hf_dir or cfg.model.path
-        self.spec = read_model_spec(hf_dir)
-        self.layout = init_parallel(cfg.parallel, cfg.algo.seed)
-        chunks = build_chunks(self.spec, cfg.model, cfg.parallel)
-        load_hf_weights(chunks, self.spec, hf_dir, self.layout.tp_rank, self.layout.tp_size)
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig, *,
+                 loss: LossFn, temperature: float, seed: int, total_updates: int,
+                 max_sequence_tokens: int, hf_dir: str | Path | None = None):
+        """The learner of ``model`` (its weights from ``hf_dir``, default ``model.path``) in the
+        ``parallel`` layout, trained by ``optim`` for ``total_updates`` updates on ``loss``
+        (``objective.policy_loss`` with the run's clip and veto); ``temperature`` is the
+        sampling temperature the engine's log-probs are taken at; ``max_sequence_tokens`` (the
+        longest prompt + response) sizes packed rows (``parallel.pack_tokens: auto``)."""
+        self.model_cfg, self.parallel, self.optim = model, parallel, optim
+        self.hf_dir = Path(hf_dir or model.path)
+        self.spec = read_model_spec(self.hf_dir)
+        self.layout = init_parallel(parallel, seed)
+        chunks = build_chunks(self.spec, model, parallel)
+        load_hf_weights(chunks, self.spec, self.hf_dir, self.layout.tp_rank, self.layout.tp_size)
         self.config = chunks[0].config  # the TransformerConfig every chunk was built with
-        dtype = DTYPES[cfg.model.dtype]
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.parallel.distributed_optimizer,
-            check_for_nan_in_grad=False)
         self.config.finalize_model_grads_func = finalize_model_grads
         with megatron_on_cpu():
-            if dtype != torch.float32:
+            if DTYPES[model.dtype] != torch.float32:
                 chunks = [Float16Module(self.config, c) for c in chunks]
-            self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config,
-                                                  module=c) for c in chunks]
-            o = cfg.optim
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr,
-                                weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-                                adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.grad_clip,
-                                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-                                params_dtype=dtype,
-                                use_distributed_optimizer=cfg.parallel.distributed_optimizer),
-                self.model)
-        total = cfg.algo.total_updates
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.warmup_updates else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.warmup_updates, lr_decay_steps=max(total, o.warmup_updates + 1),
-            lr_decay_style=o.lr_schedule, start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=total, wd_incr_style="constant")
+            ddp = ddp_config(parallel)  # one, shared by the chunks (virtual pipeline stages)
+            self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp, module=c)
+                          for c in chunks]
+            self.optimizer = get_megatron_optimizer(optimizer_config(optim, model, parallel),
+                                                    self.model)
+        self.scheduler = lr_schedule(self.optimizer, optim, total_updates)
+        self.loss = loss
         self.num_updates = 0
         self._host = HostOffload(self.model, self.optimizer)
         # The engine samples from softmax(logits / T) and reports those log-probs
         # (processed_logprobs), so the learner's policy is the same tempered distribution.
-        self.temperature = cfg.rollout.temperature
+        self.temperature = temperature
         # packed rows: THD layout (cu_seqlens) through TE's attention, a block-diagonal causal
         # mask through megatron's local attention (whose sliding window would replace the mask)
-        self.uses_thd = uses_transformer_engine(cfg.model)
-        self.token_multiple = token_multiple(cfg.model, cfg.parallel)
+        self.uses_thd = uses_transformer_engine(model)
+        self.token_multiple = token_multiple(model, parallel)
         """Microbatch rows (and packed rows) are padded to a multiple of this (``fp8``)."""
-        self.pack_capacity = pack_capacity(cfg, self.uses_thd, self.token_multiple)
+        self.pack_capacity = pack_capacity(parallel, max_sequence_tokens, self.uses_thd,
+                                           self.token_multiple)
         """Tokens of a packed microbatch row; 0 pads instead (``parallel.pack_tokens``)."""
         if self.pack_capacity and not self.uses_thd and self.spec.sliding_window:
             raise ValueError("parallel.pack_tokens: a sliding-window model packs only with "
                              "Transformer Engine (THD); set parallel.pack_tokens: 0")
+
+    @classmethod
+    def from_config(cls, cfg: Config, hf_dir: str | Path | None = None) -> Learner:
+        """The learner a run of ``cfg`` trains: its sections, and the clipped, vetoed policy
+        loss of ``cfg.algo``."""
+        a = cfg.algo
+        loss = partial(policy_loss, clip_low=a.clip_low, clip_high=a.clip_high,
+                       veto_threshold=a.veto_threshold, veto_scope=a.veto_scope)
+        return cls(cfg.model, cfg.parallel, cfg.optim, loss=loss,
+                   temperature=cfg.rollout.temperature, seed=a.seed,
+                   total_updates=a.total_updates, max_sequence_tokens=cfg.max_sequence_tokens,
+                   hf_dir=hf_dir)
 
     # ------------------------------------------------------------------ batches
 
@@ -179,7 +189,7 @@ class Learner:
             return batch, count
         group = mpu.get_data_parallel_group()
         dist.all_reduce(count, group=group)  # stays on the device: the loss divides by it there
-        if self.cfg.parallel.expert > 1 and not self.pack_capacity:
+        if self.parallel.expert > 1 and not self.pack_capacity:
             seq = torch.tensor(batch.tokens.shape[1], device=distributed.device())
             dist.all_reduce(seq, op=dist.ReduceOp.MAX, group=group)
             batch = _right_padded(batch, int(seq))  # a read, with expert parallelism only
@@ -199,7 +209,7 @@ class Learner:
                       capacity: int | None = None) -> list[_MicroBatch]:
         """This rank's rows of ``batch`` (all of them with ``dp_local``) as microbatches, packed
         into rows of ``capacity`` tokens (default ``pack_capacity``; 0: padded)."""
-        mbs = self.cfg.parallel.micro_batch_size
+        mbs = self.parallel.micro_batch_size
         mine = slice(0, batch.size) if dp_local else self.dp_rows(batch.size)
         lo, per_rank = mine.start, mine.stop - mine.start
         seq = batch.tokens.shape[1]
@@ -228,7 +238,7 @@ class Learner:
         lengths = sequence_lengths(batch.response_mask[rows])
         bins = plan_bins(lengths, capacity)
         out = []
-        if self.cfg.parallel.expert > 1 and self.layout.dp_size > 1:
+        if self.parallel.expert > 1 and self.layout.dp_size > 1:
             # every MoE layer's token dispatch is a collective over the expert-parallel group,
             # which spans data-parallel ranks: they must run as many microbatches as each other
             # (one integer over the DP group, a superset of it), the short ones with empty rows
@@ -362,7 +372,6 @@ class Learner:
         rank, or with ``dp_local`` only this data-parallel rank's rows of it (``dp_rows``), padded
         to their own longest. Both give the same update."""
         t0 = time.perf_counter()
-        a = self.cfg.algo
         # The global count of response tokens (next-aligned, before the veto): every microbatch's
         # loss is divided by it, so the update does not depend on the layout or the split.
         num_tokens = _next_aligned(batch.response_mask.bool()).sum().to(distributed.device())
@@ -377,10 +386,9 @@ class Learner:
         def loss_fn(mb: _MicroBatch, output: torch.Tensor):
             device = output.device
             logp = _per_sequence(mb, self.token_logprobs(output, mb.labels.to(device)))
-            loss, metrics = policy_loss(
+            loss, metrics = self.loss(
                 logp, mb.behav_logp.to(device), mb.advantages.to(device), mb.loss_mask.to(device),
-                clip_low=a.clip_low, clip_high=a.clip_high, veto_threshold=a.veto_threshold,
-                veto_scope=a.veto_scope, num_tokens=num_tokens)
+                num_tokens=num_tokens)
             metrics["loss"] = loss.detach().float()
             return loss * scale, metrics
 

@@ -1,5 +1,8 @@
 """Process groups, megatron-core GPTModel chunks from an HF config, and HF weights loaded into them.
 
+The one place where our config and a ``ModelSpec`` become megatron-core's arguments: the
+TransformerConfig, GPTModel's, DDP's, the optimizer's and the learning-rate schedule's.
+
 Each rank builds only its own pipeline stage(s) (one chunk per virtual stage) and reads only the
 rows and columns of the safetensors files that its tensor-parallel shards hold.
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mugrpo_megatron.learner.compat_megatron import (
     define_missing_te_gemm,
@@ -21,8 +25,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -31,11 +38,11 @@ from megatron.core.transformer.transformer_block import (
 )
 from safetensors import safe_open
 
-from mugrpo_megatron.config import ModelConfig, ParallelConfig
+from mugrpo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
 from mugrpo_megatron.distributed import init_default_group
 from mugrpo_megatron.layout import check_model
-from mugrpo_megatron.learner.hf_config import ModelSpec, gpt_model_kwargs
-from mugrpo_megatron.learner.mapping import map_param, shard_from_hf
+from mugrpo_megatron.models.hf_config import ModelSpec
+from mugrpo_megatron.models.mapping import map_param, shard_from_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -140,6 +147,56 @@ def rope_fusion(te: bool) -> dict[str, bool]:
     range pyproject admits) takes ``cu_seqlens`` on the device and starts every sequence at
     position 0. Without TE there is no kernel to fuse with (megatron refuses the flag)."""
     return {"apply_rope_fusion": te}
+
+
+def gpt_model_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """``GPTModel`` arguments for the positional embedding."""
+    kw: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": spec.rope_theta,
+                          "max_sequence_length": spec.max_position_embeddings}
+    if spec.rope_scaling is not None:
+        kind = spec.rope_scaling.get("rope_type", spec.rope_scaling.get("type"))
+        factor = float(spec.rope_scaling["factor"])
+        if kind == "linear":
+            kw["seq_len_interpolation_factor"] = factor
+        else:  # llama3: megatron-core applies Llama 3.1's fixed low/high frequency factors
+            expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}
+            for key, value in expected.items():
+                if float(spec.rope_scaling.get(key, value)) != value:
+                    raise ValueError(f"rope_scaling.{key}={spec.rope_scaling[key]} is not supported "
+                                     f"(megatron-core's llama3 scaling uses {value})")
+            kw["rope_scaling"] = True
+            kw["rope_scaling_factor"] = factor
+    return kw
+
+
+def ddp_config(parallel: ParallelConfig) -> DistributedDataParallelConfig:
+    """megatron-core DDP: gradients reduced in fp32, sharded with the distributed optimizer."""
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=parallel.distributed_optimizer, check_for_nan_in_grad=False)
+
+
+def optimizer_config(optim: OptimConfig, model: ModelConfig, parallel: ParallelConfig
+                     ) -> OptimizerConfig:
+    """megatron-core's Adam for ``optim`` (fp32 master weights kept for bf16/fp16 training)."""
+    dtype = DTYPES[model.dtype]
+    o = optim
+    return OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                           adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                           clip_grad=o.grad_clip, bf16=dtype == torch.bfloat16,
+                           fp16=dtype == torch.float16, params_dtype=dtype,
+                           use_distributed_optimizer=parallel.distributed_optimizer)
+
+
+def lr_schedule(optimizer, optim: OptimConfig, total_updates: int) -> OptimizerParamScheduler:
+    """megatron-core's schedule: linear warm-up, then ``optim.lr_schedule`` over the run."""
+    o = optim
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if o.warmup_updates else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_updates, lr_decay_steps=max(total_updates, o.warmup_updates + 1),
+        lr_decay_style=o.lr_schedule, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=total_updates, wd_incr_style="constant")
 
 
 def uses_transformer_engine(model: ModelConfig) -> bool:

@@ -18,19 +18,20 @@ from dataclasses import dataclass
 
 import torch
 
-from mugrpo_megatron.config import Config
+from mugrpo_megatron.config import ParallelConfig
 from mugrpo_megatron.learner.fp8 import round_up
 
 
-def pack_capacity(cfg: Config, thd: bool, multiple: int) -> int:
+def pack_capacity(parallel: ParallelConfig, max_sequence_tokens: int, thd: bool,
+                  multiple: int) -> int:
     """Tokens of a packed microbatch row (0: pad): ``parallel.pack_tokens``, where 'auto' packs
     through Transformer Engine's THD attention (``thd``) into rows of micro_batch_size x the
-    longest sequence (data.max_prompt_tokens + rollout.max_new_tokens), the most a padded
-    microbatch could hold, and pads without TE; rounded up to ``multiple`` (FP8, sequence
-    parallel)."""
-    tokens = cfg.parallel.pack_tokens
+    longest sequence (``max_sequence_tokens``: data.max_prompt_tokens + rollout.max_new_tokens),
+    the most a padded microbatch could hold, and pads without TE; rounded up to ``multiple``
+    (FP8, sequence parallel)."""
+    tokens = parallel.pack_tokens
     if tokens == "auto":
-        tokens = cfg.parallel.micro_batch_size * cfg.max_sequence_tokens if thd else 0
+        tokens = parallel.micro_batch_size * max_sequence_tokens if thd else 0
     return round_up(tokens, multiple) if tokens else 0
 
 

@@ -25,7 +25,7 @@ from mugrpo_megatron.types import TrainBatch
 def main() -> None:
     mode, hf_dir, batch_path, ckpt, out, steps = sys.argv[1:7]
     cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32", *sys.argv[7:]])
-    learner = Learner(cfg)
+    learner = Learner.from_config(cfg)
     b = load_file(batch_path)
     batch = TrainBatch(b["tokens"], b["response_mask"].bool(), b["behav_logp"], b["advantages"])
     losses = []

@@ -67,7 +67,7 @@ def run_contract(hf_dir: str, out: Path, overrides: list[str], bucket_bytes: int
     cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32",
                              "algo.samples_per_update=8", "algo.total_updates=8",
                              "algo.updates_per_phase=4", "optim.lr=1e-2", *overrides])
-    learner = Learner(cfg)
+    learner = Learner.from_config(cfg)
     rank0 = dist.get_rank() == 0
     # dummy_engine: the engines start as the trainer starts them, with placeholder weights, and
     # the first sync below supplies every weight

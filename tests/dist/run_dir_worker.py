@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from mugrpo_megatron import run_dir
 from mugrpo_megatron.config_loader import load_config
-from mugrpo_megatron.tiny import make_tiny_checkpoint
+from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
 
 CASES = ("same", "dir", "start", "model")

@@ -133,7 +133,7 @@ def main() -> None:
 def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
                offload_too: bool) -> None:
     cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32", *overrides])
-    learner = Learner(cfg)
+    learner = Learner.from_config(cfg)
     gemm_inputs = record_gemm_inputs(learner)
     b = load_file(batch_path)
     batch = TrainBatch(b["tokens"], b["response_mask"].bool(), b["behav_logp"], b["advantages"])

@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from mugrpo_megatron.learner.hf_config import ModelSpec
+from mugrpo_megatron.models.hf_config import ModelSpec
 
 Kind = Literal["vocab", "qkv", "gate_up", "row", "replicated"]
 # read(hf_name, index) -> tensor[index]: only the requested rows/columns are read from disk;

@@ -1,8 +1,8 @@
 """A Hugging Face ``config.json`` as the numbers the learner and the weight mapping need.
 
-``ModelSpec`` is plain data (no megatron import) so that the mapping tables, the dry-run memory
-estimate and the resharding code can all use it; ``transformer_config_kwargs`` turns it into
-megatron-core ``TransformerConfig`` arguments in one place.
+``ModelSpec`` is plain data (no megatron import) so that the mapping tables, the engines, the
+dry-run memory estimate and the resharding code can all use it; ``learner/model.py`` turns it
+into megatron-core's arguments, in one place.
 """
 
 from __future__ import annotations
@@ -235,24 +235,3 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
         init_std=float(cfg.get("initializer_range", 0.02)),
         **moe,
     )
-
-
-def gpt_model_kwargs(spec: ModelSpec) -> dict[str, Any]:
-    """``GPTModel`` arguments for the positional embedding."""
-    kw: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": spec.rope_theta,
-                          "max_sequence_length": spec.max_position_embeddings}
-    if spec.rope_scaling is not None:
-        kind = spec.rope_scaling.get("rope_type", spec.rope_scaling.get("type"))
-        factor = float(spec.rope_scaling["factor"])
-        if kind == "linear":
-            kw["seq_len_interpolation_factor"] = factor
-        else:  # llama3: megatron-core applies Llama 3.1's fixed low/high frequency factors
-            expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 8192}
-            for key, value in expected.items():
-                if float(spec.rope_scaling.get(key, value)) != value:
-                    raise ValueError(f"rope_scaling.{key}={spec.rope_scaling[key]} is not supported "
-                                     f"(megatron-core's llama3 scaling uses {value})")
-            kw["rope_scaling"] = True
-            kw["rope_scaling_factor"] = factor
-    return kw
