@@ -159,8 +159,9 @@ def markdown_section(args, sft: dict, tables: dict[str, str], grid_seconds: floa
     by_k = ", ".join(f"{k} operands {v:.2f}" for k, v in sft["probe_by_operands"].items())
     plot_rel = os.path.relpath(args.plot, root / "benchmarks")
     out_rel = os.path.relpath(args.out, root)
-    title = f"lr {args.lr:g}, {args.updates // args.mu} phases" + \
-        (f", {args.tag.strip('_')}" if args.tag else "")
+    title = f"lr {args.lr:g}, {args.updates // args.mu} phases"
+    if args.tag and args.tag.strip("_") != f"{args.updates // args.mu}phases":
+        title += f", {args.tag.strip('_')}"
     extra = ""
     if "uniform" in tables:
         extra += f"\n\nThe headline rows under each uniform-group policy:\n\n{tables['uniform']}"
