@@ -9,6 +9,7 @@ rows over the data-parallel ranks and returns them whole on every rank.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -36,7 +37,7 @@ def mismatch_gap(learner, data: PhaseData, n: int, pad_id: int) -> LogprobGap | 
     rows = spread_rows(data.num_samples, n, learner.layout.dp_size)
     if len(rows) == 0:
         return None
-    batch = data.batch(rows, pad_id, behaviour="engine")
+    batch = data.batch(rows, pad_id, engine_logprobs=True)
     logp, _ = learner.logprobs(batch)
     return logprob_gap(logp, batch)
 
@@ -63,8 +64,7 @@ def check_packing(learner, data: PhaseData, cfg: Config, pad_id: int) -> Logprob
     batch = data.batch(rows, pad_id)
     packed, _ = learner.logprobs(batch)
     padded, _ = learner.logprobs(batch, packed=False)
-    diff = logprob_gap(packed, type(batch)(batch.tokens, batch.response_mask, padded,
-                                           batch.advantages))
+    diff = logprob_gap(packed, replace(batch, behav_logp=padded))
     tolerance = packing_tolerance(cfg)
     if diff.mean > tolerance:
         path = "Transformer Engine's THD attention" if learner.uses_thd else \
@@ -100,7 +100,7 @@ def score_behaviour(learner, data: PhaseData, chunk: int, pad_id: int, write: bo
         for lo in range(0, n, chunk):
             rows = np.arange(lo, min(lo + chunk, n))
             padded = np.concatenate([rows, np.full(-len(rows) % dp, rows[-1])])  # DP splits it
-            batch = data.batch(padded, pad_id, behaviour="engine")
+            batch = data.batch(padded, pad_id, engine_logprobs=True)
             logp, _ = learner.logprobs(batch)
             mask = batch.response_mask[:len(rows)]
             gap = (logp[:len(rows)] - batch.behav_logp[:len(rows)]).abs()[mask]
@@ -111,7 +111,7 @@ def score_behaviour(learner, data: PhaseData, chunk: int, pad_id: int, write: bo
                     writer.add([logp[k][mask[k]].numpy() for k in range(len(rows))])
         if writer is not None and not failure.error:
             with failure.kept():
-                writer.close()
+                writer.commit()
         if writer is not None and failure.error:
             writer.abort()
     return {"behaviour_seconds": time.perf_counter() - t0,

@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from mugrpo_megatron import outputs
+from mugrpo_megatron.arrow_files import AtomicFile, buffer_positions, list_column
 from mugrpo_megatron.objective import group_advantages
 from mugrpo_megatron.rollout import padded_batch
 from mugrpo_megatron.types import Generation, TrainBatch
@@ -93,29 +93,6 @@ def phase_dir(run_dir: Path, phase: int) -> Path:
     return run_dir / "rollouts" / f"phase_{phase:04d}"
 
 
-def _atomic_write(table: pa.Table, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with outputs.guard(path, "rollouts", kept=outputs.KEPT, then=outputs.RESUME):
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-                writer.write_table(table, max_chunksize=max(table.num_rows, 1))  # one batch
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a half-written file holds space and never takes the name
-        raise
-    os.replace(tmp, path)
-
-
-def _list_column(seqs: Sequence, np_type, pa_type) -> pa.ListArray:
-    lengths = np.fromiter((len(x) for x in seqs), dtype=np.int32, count=len(seqs))
-    offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.concatenate([np.asarray(x, dtype=np_type) for x in seqs]) if len(seqs) else \
-        np.zeros(0, dtype=np_type)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa_type))
-
-
 def write_shard(directory: Path, groups: Sequence[ScoredGroup]) -> Path:
     """Persist whole groups atomically as one shard; returns its path. Memory: one shard."""
     if not groups:
@@ -130,11 +107,11 @@ def write_shard(directory: Path, groups: Sequence[ScoredGroup]) -> Path:
         "group": pa.array(np.repeat([g.position for g in groups], sizes), pa.int64()),
         "sample": pa.array(np.concatenate([np.arange(n) for n in sizes]), pa.int32()),
         "prompt_index": pa.array(np.repeat([g.prompt_index for g in groups], sizes), pa.int64()),
-        "prompt_ids": _list_column([g.prompt_ids for g in groups for _ in g.responses], np.int32,
+        "prompt_ids": list_column([g.prompt_ids for g in groups for _ in g.responses], np.int32,
                                    pa.int32()),
-        "response_ids": _list_column([x for g in groups for x in g.responses], np.int32,
+        "response_ids": list_column([x for g in groups for x in g.responses], np.int32,
                                      pa.int32()),
-        "behav_logprobs": _list_column([x for g in groups for x in g.logprobs], np.float32,
+        "behav_logprobs": list_column([x for g in groups for x in g.logprobs], np.float32,
                                        pa.float32()),
         "finish_reason": pa.array([x for g in groups for x in g.finish_reasons], pa.string()),
         "reward": pa.array([x for g in groups for x in g.rewards], pa.float64()),
@@ -144,7 +121,8 @@ def write_shard(directory: Path, groups: Sequence[ScoredGroup]) -> Path:
     if path.exists():
         raise FileExistsError(f"{path} exists: group {first} was persisted already (two writers "
                               f"on one phase?)")
-    _atomic_write(table, path)
+    with AtomicFile(path, table.schema, "rollouts") as f:
+        f.write(table)
     return path
 
 
@@ -223,17 +201,17 @@ def finalize(directory: Path, num_groups: int, group_size: int, eps: float) -> P
                          {"shards": json.dumps([p.name for p in paths]),
                           "group_size": str(group_size)}))
     path = directory / "index.arrow"
-    _atomic_write(table, path)
+    with AtomicFile(path, table.schema, "rollouts") as f:
+        f.write(table)
     return path
 
 
-def _locate(t: pa.Table, name: str, base: int) -> tuple[np.ndarray, int]:
+def _locate(t: pa.Table, name: str, at) -> tuple[np.ndarray, int]:
     """A list column's offsets (copied) and the file position of its first value (4-byte values,
-    as SHARD_SCHEMA has them)."""
-    arr = t.column(name).chunk(0)
-    values = arr.values
-    at = values.buffers()[1].address - base + values.offset * 4
-    return arr.offsets.to_numpy().copy(), at
+    as SHARD_SCHEMA has them; ``at`` from ``buffer_positions``)."""
+    values = t.column(name).chunk(0).values
+    return t.column(name).chunk(0).offsets.to_numpy().copy(), \
+        at(values.buffers()[1]) + values.offset * 4
 
 
 class _Shard:
@@ -244,29 +222,27 @@ class _Shard:
     ~200 MB of a shard per 1024-row update, released only when unmapped.)"""
 
     def __init__(self, path: Path):
-        src = pa.memory_map(str(path))
         try:
-            base = src.read_buffer(1).address  # the mapping's first byte (a zero-copy read)
-            t = pa.ipc.open_file(src).read_all()
-
-            self.prompt_off, self.prompt_at = _locate(t, "prompt_ids", base)
-            self.resp_off, self.resp_at = _locate(t, "response_ids", base)
-            _, self.logp_at = _locate(t, "behav_logprobs", base)  # response_ids' offsets
-            del t
+            with buffer_positions(path) as (reader, at):
+                t = reader.read_all()
+                self.prompt_off, self.prompt_at = _locate(t, "prompt_ids", at)
+                self.resp_off, self.resp_at = _locate(t, "response_ids", at)
+                _, self.logp_at = _locate(t, "behav_logprobs", at)  # response_ids' offsets
+                del t
         except (pa.ArrowInvalid, OSError, KeyError) as e:
             raise ValueError(f"{path}: not a readable rollout shard ({e})") from e
-        finally:
-            src.close()
         self.fd = os.open(path, os.O_RDONLY)
 
     def _read(self, at: int, offsets: np.ndarray, row: int, dtype) -> np.ndarray:
         a, b = int(offsets[row]), int(offsets[row + 1])
         return np.frombuffer(os.pread(self.fd, (b - a) * 4, at + a * 4), dtype=dtype)
 
-    def row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def tokens(self, r: int) -> tuple[np.ndarray, np.ndarray]:
         return (self._read(self.prompt_at, self.prompt_off, r, np.int32),
-                self._read(self.resp_at, self.resp_off, r, np.int32),
-                self._read(self.logp_at, self.resp_off, r, np.float32))
+                self._read(self.resp_at, self.resp_off, r, np.int32))
+
+    def row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (*self.tokens(r), self._read(self.logp_at, self.resp_off, r, np.float32))
 
     def close(self) -> None:
         os.close(self.fd)
@@ -288,43 +264,25 @@ BEHAVIOUR_FILE = "behaviour_learner.arrow"
 _LOGP_SCHEMA = pa.schema([("logprobs", pa.list_(pa.float32()))])
 
 
-class LearnerLogprobWriter:
-    """Writes the learner's behaviour log-probs of a phase's responses, in phase order, a chunk
-    of rows at a time (beside its name, fsynced, renamed when ``close`` finds every row)."""
+class LearnerLogprobWriter(AtomicFile):
+    """The learner's behaviour log-probs of a phase's responses, in phase order, written a chunk
+    of rows at a time; ``commit`` refuses a file that does not hold every row."""
 
     def __init__(self, directory: Path, num_samples: int):
-        self.path = directory / BEHAVIOUR_FILE
-        self.tmp = directory / f".{BEHAVIOUR_FILE}.tmp"
+        super().__init__(directory / BEHAVIOUR_FILE, _LOGP_SCHEMA, "behaviour log-probs")
         self.num_samples, self.rows = num_samples, 0
-        self._sink = pa.OSFile(str(self.tmp), "wb")
-        self._writer = pa.ipc.new_file(self._sink, _LOGP_SCHEMA)
 
     def add(self, logprobs: Sequence[np.ndarray]) -> None:
-        with outputs.guard(self.path, "behaviour log-probs", kept=outputs.KEPT,
-                           then=outputs.RESUME):
-            self._writer.write_batch(pa.record_batch(
-                [_list_column(logprobs, np.float32, pa.float32())], schema=_LOGP_SCHEMA))
+        self.write(pa.record_batch([list_column(logprobs, np.float32, pa.float32())],
+                                   schema=_LOGP_SCHEMA))
         self.rows += len(logprobs)
 
-    def close(self) -> None:
-        with outputs.guard(self.path, "behaviour log-probs", kept=outputs.KEPT,
-                           then=outputs.RESUME):
-            self._writer.close()
-            self._sink.close()
-            if self.rows != self.num_samples:
-                raise ValueError(f"{self.rows} rows of behaviour log-probs for a phase of "
-                                 f"{self.num_samples}")
-            with open(self.tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(self.tmp, self.path)
-
-    def abort(self) -> None:
-        for closing in (self._writer.close, self._sink.close):
-            try:
-                closing()
-            except (OSError, pa.ArrowException):
-                pass
-        self.tmp.unlink(missing_ok=True)
+    def commit(self) -> None:
+        if self.rows != self.num_samples:
+            self.abort()
+            raise ValueError(f"{self.rows} rows of behaviour log-probs for a phase of "
+                             f"{self.num_samples}")
+        super().commit()
 
 
 class _LogprobFile:
@@ -333,21 +291,16 @@ class _LogprobFile:
     of the file that is closed again."""
 
     def __init__(self, path: Path, num_samples: int):
-        src = pa.memory_map(str(path))
         try:
-            base = src.read_buffer(1).address
-            reader = pa.ipc.open_file(src)
-            at, lengths = [], []
-            for k in range(reader.num_record_batches):
-                column = reader.get_batch(k).column(0)
-                offsets = column.offsets.to_numpy().astype(np.int64)
-                start = column.values.buffers()[1].address - base if len(column.values) else 0
-                at.append(start + 4 * offsets[:-1])
-                lengths.append(np.diff(offsets))
+            with buffer_positions(path) as (reader, position):
+                at, lengths = [], []
+                for k in range(reader.num_record_batches):
+                    column = reader.get_batch(k).column(0)
+                    offsets = column.offsets.to_numpy().astype(np.int64)
+                    at.append(position(column.values.buffers()[1]) + 4 * offsets[:-1])
+                    lengths.append(np.diff(offsets))
         except (pa.ArrowInvalid, OSError) as e:
             raise ValueError(f"{path}: not a readable behaviour log-prob file ({e})") from e
-        finally:
-            src.close()
         self.at = np.concatenate(at) if at else np.zeros(0, dtype=np.int64)
         self.length = np.concatenate(lengths).astype(np.int32) if lengths else \
             np.zeros(0, dtype=np.int32)
@@ -417,16 +370,18 @@ class PhaseData:
             self._learner = None
 
     def batch(self, rows: Sequence[int] | np.ndarray, pad_id: int = 0, multiple_of: int = 1,
-              behaviour: str = "") -> TrainBatch:
+              engine_logprobs: bool = False) -> TrainBatch:
         """Right-padded prompt+response rows for phase rows ``rows``: reads those rows from the
         shards and nothing else. Memory and time: the batch, whatever the phase's size. The
-        behaviour log-probs are the learner's after ``use_learner_logprobs``, else the engine's;
-        ``behaviour='engine'`` asks for the engine's whatever was chosen."""
+        behaviour log-probs are the learner's after ``use_learner_logprobs`` (the shards' are
+        then not read), else the engine's; ``engine_logprobs`` asks for the engine's always."""
         rows = np.asarray(rows, dtype=np.int64)
-        learner = self._learner if behaviour != "engine" else None
-        picked = [self.response(int(i)) for i in rows]
-        if learner is not None:
-            picked = [(p, r, learner.row(int(i))) for (p, r, _), i in zip(picked, rows)]
+        learner = None if engine_logprobs else self._learner
+        if learner is None:
+            picked = [self.response(int(i)) for i in rows]
+        else:
+            picked = [(*self.shards[self.shard[i]].tokens(int(self.row[i])), learner.row(int(i)))
+                      for i in rows]
         return padded_batch(picked, self.advantage[rows], pad_id, multiple_of)
 
     def stats(self) -> dict:

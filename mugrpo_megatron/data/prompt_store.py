@@ -29,9 +29,8 @@ What grows with what, at 10^6 prompts of 300 tokens: on disk ~1.2 GB of token id
 and answers, once per run directory; in each rank ~100 bytes a batch (122 batches); at start-up,
 rank 0's time to tokenize (the other 63 ranks tokenize nothing) and on rank 0 one chunk of
 prompts as Python objects (1024 x 300 tokens: ~45 MB with the tokenizer's own) and one batch as
-Arrow arrays (~10 MB). Before, every
-rank tokenized the whole set and held every prompt as a tuple of Python ints (~36 bytes a token:
-10.8 GB a rank here, 2.7 GB at 2.5 x 10^5 prompts).
+Arrow arrays (~10 MB). Before, every rank tokenized the whole set and held every prompt as a tuple
+of Python ints (~36 bytes a token: 10.8 GB a rank here, 2.7 GB at 2.5 x 10^5 prompts).
 The held-out set (``data.eval_size`` prompts) stays a list (``load_prompts``).
 """
 
@@ -39,7 +38,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import itertools
 import json
 import os
 import struct
@@ -51,6 +49,7 @@ import numpy as np
 import pyarrow as pa
 
 from mugrpo_megatron import outputs
+from mugrpo_megatron.arrow_files import AtomicFile, buffer_positions, list_column
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.data import CHUNK_ROWS, PromptChunk, Tokenizer, iter_prompt_chunks
 from mugrpo_megatron.distributed import on_rank0, world
@@ -113,41 +112,28 @@ def write_prompt_file(cfg: Config, tokenizer: Tokenizer, path: Path, done: Path,
                       chunk_rows: int = CHUNK_ROWS, batch_rows: int = BATCH_ROWS) -> LoadReport:
     """Stream the training set through ``iter_prompt_chunks`` (``chunk_rows`` rows tokenized at
     a time) into ``path``, in record batches of about ``batch_rows`` prompts (written beside it,
-    fsynced, renamed), then ``done``. Holds one chunk as Python objects and one batch as Arrow
-    arrays (~5 bytes a token)."""
+    fsynced, renamed: ``arrow_files.AtomicFile``), then ``done``. Holds one chunk as Python
+    objects and one batch as Arrow arrays (~5 bytes a token)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     report = LoadReport(source="(none)")
     progress = bar("tokenizing the training prompts", None) if bar is not None else None
-    kept = 0
-    held: list[pa.RecordBatch] = []
-
-    def flush(writer) -> None:
-        if held:
-            writer.write_batch(pa.Table.from_batches(held).combine_chunks().to_batches()[0])
-            held.clear()
-
+    kept, held = 0, []
     try:
-        with outputs.guard(path, "prompt set", kept=outputs.KEPT, then=outputs.RESUME):
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
-                for chunk in iter_prompt_chunks(cfg.data, tokenizer, report,
-                                                chunk_rows=chunk_rows):
-                    if len(chunk):
-                        held.append(_record_batch(chunk))
-                    kept += len(chunk)
-                    if sum(b.num_rows for b in held) >= batch_rows:
-                        flush(writer)
-                    if progress is not None:
-                        progress.update(len(chunk))
-                flush(writer)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            outputs.write_file(done, json.dumps({"num_prompts": kept, "report": asdict(report)},
-                                                indent=1))
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a bad row or a full disk: no half-written file stays
-        raise
+        with AtomicFile(path, SCHEMA, "prompt set") as out:
+            for chunk in iter_prompt_chunks(cfg.data, tokenizer, report, chunk_rows=chunk_rows):
+                if len(chunk):
+                    held.append(_record_batch(chunk))
+                kept += len(chunk)
+                if sum(b.num_rows for b in held) >= batch_rows:
+                    out.write(pa.Table.from_batches(held).combine_chunks())
+                    held = []
+                if progress is not None:
+                    progress.update(len(chunk))
+            if held:
+                out.write(pa.Table.from_batches(held).combine_chunks())
+        with outputs.guard(done, "prompt set", kept=outputs.KEPT, then=outputs.RESUME):
+            outputs.write_file(done, json.dumps({"num_prompts": kept,
+                                                 "report": asdict(report)}, indent=1))
     finally:
         if progress is not None:
             progress.close()
@@ -155,14 +141,10 @@ def write_prompt_file(cfg: Config, tokenizer: Tokenizer, path: Path, done: Path,
 
 
 def _record_batch(c: PromptChunk) -> pa.RecordBatch:
-    ids = c.token_ids
-    offsets = np.zeros(len(ids) + 1, dtype=np.int32)
-    np.cumsum([len(x) for x in ids], out=offsets[1:])
-    values = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(offsets[-1]))
     return pa.record_batch([
         pa.array(c.rows, pa.int64()), pa.array(c.texts, pa.string()),
-        pa.array(c.answers, pa.string()),
-        pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32()))], schema=SCHEMA)
+        pa.array(c.answers, pa.string()), list_column(c.token_ids, np.int32, pa.int32())],
+        schema=SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -256,13 +238,9 @@ class _IdsView(Sequence[list[int]]):
 
 
 def _locate_batches(path: Path, num_prompts: int) -> list[_Batch]:
-    """The file position of every batch's buffers: the file mapped only to read its metadata (the
-    buffers are zero-copy views, so their addresses less the mapping's base are file positions),
-    then unmapped. Checks the schema, the prompt count and that nothing is null."""
-    src = pa.memory_map(str(path))
-    try:
-        base = src.read_buffer(1).address
-        reader = pa.ipc.open_file(src)
+    """The file position of every batch's buffers (``arrow_files.buffer_positions``: only the
+    metadata is read). Checks the schema, the prompt count and that nothing is null."""
+    with buffer_positions(path) as (reader, at):
         if not reader.schema.equals(SCHEMA):
             raise ValueError(f"schema {reader.schema} is not {SCHEMA}")
         out, total = [], 0
@@ -271,18 +249,12 @@ def _locate_batches(path: Path, num_prompts: int) -> list[_Batch]:
             if not b.num_rows or any(c.null_count or c.offset for c in b.columns):
                 raise ValueError(f"batch {k} is empty or holds nulls")
             row, text, answer, ids = b.columns
-
-            def at(buffer: pa.Buffer | None) -> int:  # None: no bytes to read there
-                return buffer.address - base if buffer is not None else 0
-
             out.append(_Batch(
                 first=total, row=at(row.buffers()[1]), text_offsets=at(text.buffers()[1]),
                 text=at(text.buffers()[2]), answer_offsets=at(answer.buffers()[1]),
                 answer=at(answer.buffers()[2]), ids_offsets=at(ids.buffers()[1]),
                 ids=at(ids.values.buffers()[1])))
             total += b.num_rows
-        if total != num_prompts:
-            raise ValueError(f"{total} prompts, the record says {num_prompts}")
-        return out
-    finally:
-        src.close()
+    if total != num_prompts:
+        raise ValueError(f"{total} prompts, the record says {num_prompts}")
+    return out
