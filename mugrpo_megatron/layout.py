@@ -82,6 +82,8 @@ def placement(r: RolloutConfig, world_size: int, ranks_per_node: int | None = No
     """Where ``r``'s engines run in a job of ``world_size`` ranks, ``ranks_per_node`` a node (the
     whole world when not known). ValueError if the replicas do not tile the ranks, or if one
     replica's tensor-parallel group would span two nodes."""
+    if ranks_per_node is not None and ranks_per_node < 1:
+        raise ValueError(f"--gpus-per-node: {ranks_per_node} must be at least 1")
     per_node = min(ranks_per_node or world_size, world_size)  # a job smaller than a node
     if world_size % per_node:
         raise ValueError(f"{world_size} ranks do not split into nodes of {per_node} (torchrun's "
@@ -114,10 +116,6 @@ def check_layout(cfg: Config, world_size: int, ranks_per_node: int | None = None
                  spec: ModelSpec | None = None) -> JobLayout:
     """Validate the job's layout for ``world_size`` processes, ``ranks_per_node`` of them a node
     when known, and with ``spec`` the model's; ValueError naming the key and the value."""
-    if ranks_per_node is not None and (ranks_per_node < 1 or world_size % ranks_per_node
-                                       and world_size > ranks_per_node):
-        raise ValueError(f"--gpus-per-node: {ranks_per_node} does not divide the world size "
-                         f"{world_size}")
     p = cfg.parallel
     dp = p.data_parallel(world_size)
     where = placement(cfg.rollout, world_size, ranks_per_node)

@@ -39,7 +39,7 @@ from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
 from mugrpo_megatron.rollout import LogprobGap
 from mugrpo_megatron.run_dir import record_start
-from mugrpo_megatron.scheduler import Phase, PhaseScheduler, passes
+from mugrpo_megatron.scheduler import Phase, PhaseScheduler
 
 
 @dataclass
@@ -70,6 +70,7 @@ class Trainer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(
             cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        self.pad_id = self.tokenizer.pad_token_id or 0
         self.log = MetricsLogger(cfg.logging, self.run_dir, self.rank0, to_dict(cfg))
         self.progress = Progress(enabled=self.rank0 and cfg.logging.progress)
         # tokenized once, by rank 0, into the run directory; every rank reads prompts from it as
@@ -173,7 +174,7 @@ class Trainer:
                                 f"the phase's start, so they cannot be computed again")
             times.extra.update(score_behaviour(
                 self.learner, data, self.cfg.algo.samples_per_update,
-                self.tokenizer.pad_token_id or 0, write=self.rank0))
+                self.pad_id, write=self.rank0))
         data.use_learner_logprobs()
 
     @contextmanager
@@ -266,7 +267,7 @@ class Trainer:
             t0 = time.perf_counter()
             # this rank reads its data-parallel share of the update's rows, and nothing else
             batch = data.batch(rows[self.learner.dp_rows(len(rows))],
-                               self.tokenizer.pad_token_id or 0)
+                               self.pad_id)
             t_data += time.perf_counter() - t0
             step = self.learner.train_step(batch, dp_local=True)
             skipped += step.skipped
@@ -293,7 +294,7 @@ class Trainer:
         times.optimize = time.perf_counter() - t_opt - t_eval  # the held-out curve is not training
         times.extra["batch_read_seconds"] = t_data  # reading rows from the shards, in optimize
         # the passes over what the updates drew from, as made (the uniform-group policy decides)
-        times.extra.update(passes=passes(1, used, len(train)) if len(train) else 0.0,
+        times.extra.update(passes=used / len(train) if len(train) else 0.0,
                            uniform_policy=self.cfg.algo.uniform_groups)
         if t_eval:
             times.extra["eval_seconds"] = t_eval
@@ -307,7 +308,7 @@ class Trainer:
         the train/inference gap. The rows are spread over the phase, so every replica's share
         (and so every replica's copy of the weights) is checked."""
         return mismatch_gap(self.learner, data, self.cfg.rollout.mismatch_check_samples,
-                            self.tokenizer.pad_token_id or 0)
+                            self.pad_id)
 
     def check_packing(self, data: PhaseData) -> LogprobGap | None:
         """Where the learner packs (``parallel.pack_tokens``), once a run, at its first mismatch
@@ -315,7 +316,7 @@ class Trainer:
         if not self.learner.pack_capacity or self._packing_checked:
             return None
         self._packing_checked = True
-        return check_packing(self.learner, data, self.cfg, self.tokenizer.pad_token_id or 0)
+        return check_packing(self.learner, data, self.cfg, self.pad_id)
 
     def save(self, update: int, phase: int) -> None:
         save_learner(self.learner, self.ckpt_dir / f"update_{update:07d}",

@@ -35,7 +35,7 @@ class RolloutEngine(abc.ABC):
     """Whether sleep() really frees accelerator memory (False on CPU: it is a no-op there)."""
     max_running_sequences: int | None = None
     """The most sequences the engine runs at once (None: not known), which sizes the queue a
-    replica keeps in it (``phase_generation.inflight_prompts``)."""
+    replica keeps in it (``fleet.inflight_prompts``)."""
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
