@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mugrpo_megatron.rollout import padded_batch
+from mugrpo_megatron.phase.batches import padded_batch
 from mugrpo_megatron.types import TrainBatch
 
 

@@ -218,7 +218,7 @@ def engine_section(path: Path, state: dict, args) -> dict:
 
     from mugrpo_megatron.engines import SamplingSpec, make_engine
     from mugrpo_megatron.learner.export import iter_hf_tensors
-    from mugrpo_megatron.rollout import logprob_gap
+    from mugrpo_megatron.phase.batches import logprob_gap
 
     learner, cfg = state["learner"], state["cfg"]
     out = {}

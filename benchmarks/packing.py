@@ -100,7 +100,7 @@ def cpu_update_times(args) -> dict:
     from mugrpo_megatron.config_loader import load_config
     from mugrpo_megatron.learner.learner import Learner
     from mugrpo_megatron.models.tiny import make_tiny_checkpoint
-    from mugrpo_megatron.rollout import padded_batch
+    from mugrpo_megatron.phase.batches import padded_batch
 
     scale = args.cpu_longest / (args.max_prompt + args.max_response)
     rng = np.random.default_rng(args.seed + 1)

@@ -3,11 +3,11 @@
 For each phase size (default 10^4, 10^5 and 10^6 responses of 128 to 256 tokens, G = 8), two gloo
 ranks play two engine replicas' leaders and then two learner ranks, through the package's own code:
 
-1. each rank takes its share of the phase's groups (``phase_generation.share``) and hands
+1. each rank takes its share of the phase's groups (``phase.generation.share``) and hands
    synthetic ``Generation`` objects (tuples, as vLLM returns them) to a ``ShardWriter``, which
    decodes them with a real tokenizer, scores them on a real reward pool (a cheap reward:
    ``digit_parity_reward``) and writes shards;
-2. rank 0 indexes the phase (``phase_store.finalize``: advantages, uniform groups);
+2. rank 0 indexes the phase (``phase.store.finalize``: advantages, uniform groups);
 3. each rank opens the phase (``PhaseData``) and, as a data-parallel rank of 2 in the trainer,
    reads and pads its half of each of ``--updates`` updates' rows (the scheduler's minibatches of
    ``--samples-per-update`` rows).
@@ -111,7 +111,7 @@ def prompts_for(num_groups: int):
 def minibatch_rows(num_train: int, args, num_groups: int):
     """The scheduler's sample indices of the first ``--updates`` updates of a phase."""
     from mugrpo_megatron.config import AlgoConfig
-    from mugrpo_megatron.scheduler import PhaseScheduler
+    from mugrpo_megatron.phase.schedule import PhaseScheduler
 
     algo = AlgoConfig(total_updates=args.updates, updates_per_phase=args.updates,
                       prompts_per_phase=num_groups, samples_per_update=args.samples_per_update)
@@ -125,8 +125,8 @@ def new_path(rank: int, world: int, size: int, work: Path, args) -> dict:
 
     from mugrpo_megatron.config import RewardConfig
     from mugrpo_megatron.engines.fleet import share
-    from mugrpo_megatron.phase_generation import ReplicaCounts, ShardWriter, pending_positions
-    from mugrpo_megatron.phase_store import PhaseData, finalize
+    from mugrpo_megatron.phase.generation import ReplicaCounts, ShardWriter, pending_positions
+    from mugrpo_megatron.phase.store import PhaseData, finalize
     from mugrpo_megatron.rewards import RewardScorer
 
     tok = AutoTokenizer.from_pretrained(work / "tok")
@@ -182,7 +182,7 @@ def old_path(rank: int, world: int, size: int, work: Path, args) -> dict:
 
     from mugrpo_megatron.config import RewardConfig
     from mugrpo_megatron.objective import group_advantages
-    from mugrpo_megatron.phase_generation import share
+    from mugrpo_megatron.phase.generation import share
     from mugrpo_megatron.rewards import RewardScorer
 
     tok = AutoTokenizer.from_pretrained(work / "tok")

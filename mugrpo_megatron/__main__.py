@@ -50,7 +50,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _load(args)
     from mugrpo_megatron.layout import check_layout
-    from mugrpo_megatron.scheduler import describe_schedule
+    from mugrpo_megatron.phase.schedule import describe_schedule
 
     layout = check_layout(cfg, args.world_size, args.gpus_per_node)
     a = cfg.algo
@@ -213,7 +213,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_rollouts(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from mugrpo_megatron.inspect_rollouts import phase_files, show
+    from mugrpo_megatron.phase.viewer import phase_files, show
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "rollouts").is_dir():

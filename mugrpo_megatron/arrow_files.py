@@ -1,5 +1,5 @@
 """The Arrow IPC files a run writes and reads back row by row: the rollout shards, a phase's index
-and its learner behaviour log-probs (``phase_store``), the prompt file (``data.prompt_store``).
+and its learner behaviour log-probs (``phase.store``), the prompt file (``data.prompt_store``).
 
 - ``AtomicFile``: written beside its name (``.NAME.tmp``), fsynced and renamed into place once
   complete, so a reader sees a whole file or none and a kill leaves at most a temporary file; a

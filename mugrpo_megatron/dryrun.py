@@ -42,7 +42,7 @@ from mugrpo_megatron.layout import check_layout
 from mugrpo_megatron.learner.fp8 import token_multiple
 from mugrpo_megatron.learner.packing import pack_capacity
 from mugrpo_megatron.models.hf_config import ModelSpec, read_model_spec
-from mugrpo_megatron.scheduler import describe_schedule
+from mugrpo_megatron.phase.schedule import describe_schedule
 
 GIB = 1 << 30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

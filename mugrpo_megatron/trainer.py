@@ -3,9 +3,9 @@
 GRPO (mu = 4) and Mu-GRPO (mu = 1024) are configs of this one loop. Every rank runs the learner
 and drives the rollout engines collectively (``engines.fleet``: a tensor-parallel rank of a
 replica on every rank, or one engine on global rank 0). Each replica streams its share of a
-phase and its leader scores and writes it as shards (``phase_generation``); every rank then opens
+phase and its leader scores and writes it as shards (``phase.generation``); every rank then opens
 the phase's files and reads only its data-parallel share of each update's rows
-(``phase_store.PhaseData``): no rank holds a whole phase and none is sent one.
+(``phase.store.PhaseData``): no rank holds a whole phase and none is sent one.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.metrics import MetricsLogger
 from mugrpo_megatron.outputs import RunFailed
-from mugrpo_megatron.phase_checks import check_packing, mismatch_gap, score_behaviour
-from mugrpo_megatron.phase_generation import GenerationFailed, generate_phase
-from mugrpo_megatron.phase_store import PhaseData, is_generated, phase_dir
+from mugrpo_megatron.phase.batches import LogprobGap
+from mugrpo_megatron.phase.checks import check_packing, mismatch_gap, score_behaviour
+from mugrpo_megatron.phase.generation import GenerationFailed, generate_phase
+from mugrpo_megatron.phase.schedule import Phase, PhaseScheduler
+from mugrpo_megatron.phase.store import PhaseData, is_generated, phase_dir
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
-from mugrpo_megatron.rollout import LogprobGap
 from mugrpo_megatron.run_dir import record_start
-from mugrpo_megatron.scheduler import Phase, PhaseScheduler
 
 
 @dataclass
@@ -166,7 +166,7 @@ class Trainer:
         """``algo.behaviour_logprobs: learner``: the learner scores every response of the phase
         before its first update (its weights are still the ones the engine sampled from); rank 0
         writes the log-probs beside the shards, and the phase's ratios divide by them. A resume
-        finds them there (``phase_checks.score_behaviour``)."""
+        finds them there (``phase.checks.score_behaviour``)."""
         if not self._from_rank0(data.has_learner_logprobs() if self.rank0 else None):
             if self.start_update > phase.first_update:
                 raise RunFailed(f"phase {phase.index}: the learner's behaviour log-probs are "
@@ -312,7 +312,7 @@ class Trainer:
 
     def check_packing(self, data: PhaseData) -> LogprobGap | None:
         """Where the learner packs (``parallel.pack_tokens``), once a run, at its first mismatch
-        check: the packed path against the padded one (``phase_checks.check_packing``)."""
+        check: the packed path against the padded one (``phase.checks.check_packing``)."""
         if not self.learner.pack_capacity or self._packing_checked:
             return None
         self._packing_checked = True

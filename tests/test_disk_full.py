@@ -17,7 +17,7 @@ from mugrpo_megatron import outputs
 from mugrpo_megatron.config import LoggingConfig
 from mugrpo_megatron.metrics import MetricsLogger
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
-from mugrpo_megatron.phase_store import ScoredGroup, finalize, write_shard
+from mugrpo_megatron.phase.store import ScoredGroup, finalize, write_shard
 
 
 def mount_tmpfs(path: Path, size: str) -> None:

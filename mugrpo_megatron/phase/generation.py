@@ -15,10 +15,10 @@ Who does what (collective at the two ends only):
 3. The replica's leader decodes each finished group and queues it on its own reward pool
    (``RewardScorer.submit``): scoring never blocks an engine step unless ``_MAX_PENDING_SHARDS``
    shards are waiting for scores (back-pressure, counted as ``score_wait_seconds``). Scored
-   groups are written as a shard of ``rollout.shard_prompts`` groups (``phase_store``).
+   groups are written as a shard of ``rollout.shard_prompts`` groups (``phase.store``).
 4. At the end, the replicas agree on errors (``distributed.agreed``) and sum their counts (a few
    integers), and rank 0 indexes the phase: advantages and uniform groups, vectorised, once
-   (``phase_store.finalize``). ``generate_phase`` is this protocol; the trainer calls it.
+   (``phase.store.finalize``). ``generate_phase`` is this protocol; the trainer calls it.
 
 Memory on a leader: the groups in the engine (as vLLM's Python objects), plus at most
 ``_MAX_PENDING_SHARDS + 1`` shards of groups as numpy arrays and decoded text (~12 bytes a token:
@@ -42,9 +42,9 @@ from mugrpo_megatron.config import RolloutConfig
 from mugrpo_megatron.data.prompt_store import PromptSet
 from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.engines.fleet import EngineFleet, share
-from mugrpo_megatron.phase_store import ScoredGroup, finalize, persisted_groups, write_shard
+from mugrpo_megatron.phase.schedule import Phase
+from mugrpo_megatron.phase.store import ScoredGroup, finalize, persisted_groups, write_shard
 from mugrpo_megatron.rewards import PendingScores, RewardScorer
-from mugrpo_megatron.scheduler import Phase
 from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
 
 _MAX_PENDING_SHARDS = 4

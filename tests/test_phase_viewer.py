@@ -8,9 +8,9 @@ import pytest
 
 from mugrpo_megatron.__main__ import main
 from mugrpo_megatron.engines.base import Generation
-from mugrpo_megatron.inspect_rollouts import phase_files, show, summarize
 from mugrpo_megatron.models.tiny import make_tokenizer
-from mugrpo_megatron.phase_store import PhaseData, ScoredGroup, finalize, phase_dir, write_shard
+from mugrpo_megatron.phase.store import PhaseData, ScoredGroup, finalize, phase_dir, write_shard
+from mugrpo_megatron.phase.viewer import phase_files, show, summarize
 
 
 def groups(n_groups=40, g=4, seed=0):

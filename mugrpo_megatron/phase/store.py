@@ -44,7 +44,7 @@ import torch
 
 from mugrpo_megatron.arrow_files import AtomicFile, buffer_positions, list_column
 from mugrpo_megatron.objective import group_advantages
-from mugrpo_megatron.rollout import padded_batch
+from mugrpo_megatron.phase.batches import padded_batch
 from mugrpo_megatron.types import Generation, TrainBatch
 
 SHARD_SCHEMA = pa.schema([

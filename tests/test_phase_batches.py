@@ -4,7 +4,7 @@ from dataclasses import replace
 
 from common import Sample, to_batch
 
-from mugrpo_megatron.rollout import logprob_gap
+from mugrpo_megatron.phase.batches import logprob_gap
 
 
 def samples():

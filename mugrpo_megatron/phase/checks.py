@@ -16,8 +16,8 @@ import numpy as np
 from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.outputs import RunFailed
-from mugrpo_megatron.phase_store import LearnerLogprobWriter, PhaseData
-from mugrpo_megatron.rollout import LogprobGap, logprob_gap
+from mugrpo_megatron.phase.batches import LogprobGap, logprob_gap
+from mugrpo_megatron.phase.store import LearnerLogprobWriter, PhaseData
 
 PACKING_CHECK_ROWS = 8
 """Rows of a phase scored both packed and padded at a run's first mismatch check."""
@@ -85,7 +85,7 @@ def check_packing(learner, data: PhaseData, cfg: Config, pad_id: int) -> Logprob
 def score_behaviour(learner, data: PhaseData, chunk: int, pad_id: int, write: bool
                     ) -> dict[str, float]:
     """The learner's log-prob of every response token of the phase, ``chunk`` rows at a time,
-    written beside the shards by the rank with ``write`` (``phase_store.LearnerLogprobWriter``).
+    written beside the shards by the rank with ``write`` (``phase.store.LearnerLogprobWriter``).
     Returns the seconds it took and the gap to the engine's log-probs over every response token
     (the same on every rank). Every rank reads every row of a chunk (``logprobs`` splits it over
     the data-parallel ranks): the phase's shards DP times in all, once a phase."""

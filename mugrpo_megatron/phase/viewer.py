@@ -3,7 +3,7 @@
 Prints a summary of the phase (samples, groups, reward, advantage, response length, finish
 reasons, uniform groups) and K decoded samples with their reward, advantage and length.
 
-The summary maps the phase's shards (``phase_store``) one at a time and reads only the columns it
+The summary maps the phase's shards (``phase.store``) one at a time and reads only the columns it
 needs (the token column's offsets, not its values), so memory is bounded by one shard's small
 columns plus one int32 per response (the length percentiles), one pair of floats per group and,
 for a generated phase, the index's advantage column: ~30 MB at 10^6 responses. Only the K samples
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 
-from mugrpo_megatron.phase_store import column, is_generated, open_table, phase_dir, shard_paths
+from mugrpo_megatron.phase.store import column, is_generated, open_table, phase_dir, shard_paths
 
 
 @dataclass

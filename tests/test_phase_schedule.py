@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from mugrpo_megatron.config import AlgoConfig, Config, RolloutConfig
-from mugrpo_megatron.scheduler import PhaseScheduler
+from mugrpo_megatron.phase.schedule import PhaseScheduler
 
 
 def make(mu, group_size=8, num_prompts=1000, **kw):

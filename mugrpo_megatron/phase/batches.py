@@ -1,6 +1,6 @@
 """Batches for the learner from rollout rows, and the train/inference log-prob gap.
 
-A phase's rollouts live on disk (``phase_store``) and reach the learner as rows of numpy arrays,
+A phase's rollouts live on disk (``phase.store``) and reach the learner as rows of numpy arrays,
 never as Python objects per response. No engine, no learner.
 """
 

@@ -1,0 +1,1 @@
+"""A phase: its schedule, generation, the rollouts on disk, the checks, and the batches."""
