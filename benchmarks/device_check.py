@@ -20,7 +20,7 @@ runs at a tiny size so that the script is tested; its numbers mean nothing there
    lengths: log-prob difference and train-step speed-up.
 5. learner_fp8: section 2 with FP8 (Transformer Engine, 'hybrid' format, delayed scaling), when TE
    is importable; then a batch whose length is a multiple of neither 8 nor 16 (TE's FP8 GEMMs
-   refuse such token counts; the learner pads them: ``learner/fp8.py``), scored and trained.
+   refuse such token counts; the learner pads them: ``layout/shapes.py``), scored and trained.
 6. engine: vLLM when importable: start-up with the learner offloaded, weight sync from the
    learner, generation tokens/s, sleep and wake times, and the train/inference log-prob gap of
    the engine's samples scored by the learner, in the training dtype.
@@ -179,7 +179,7 @@ def packing_section(state: dict, args) -> dict:
 
     from common import Sample, to_batch
 
-    from mugrpo_megatron.learner.fp8 import round_up
+    from mugrpo_megatron.layout import round_up
     from mugrpo_megatron.learner.packing import sequence_lengths
 
     learner = state["learner"]

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import summarize, table, write_json  # noqa: E402
 
-from mugrpo_megatron.learner.fp8 import round_up  # noqa: E402
+from mugrpo_megatron.layout import round_up  # noqa: E402
 from mugrpo_megatron.learner.packing import plan_bins  # noqa: E402
 
 

@@ -38,9 +38,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mugrpo_megatron.config import Config
-from mugrpo_megatron.layout import check_layout
-from mugrpo_megatron.learner.fp8 import token_multiple
-from mugrpo_megatron.learner.packing import pack_capacity
+from mugrpo_megatron.layout import check_layout, pack_capacity, token_multiple
 from mugrpo_megatron.models.hf_config import ModelSpec, read_model_spec
 from mugrpo_megatron.phase.schedule import describe_schedule
 

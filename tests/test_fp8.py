@@ -33,9 +33,9 @@ def test_padded_rows_meet_transformer_engines_fp8_rules(recipe, tp, sp):
     every dense FP8 GEMM an input TE accepts: the column-parallel layers' input is this rank's
     slice of the sequence with sequence parallel ([s / tp, b, hidden], all-gathered quantized,
     so it must be quantizable too), the row-parallel layers' the whole sequence. Rules read in
-    TE 2.0-2.18 (learner/fp8.py)."""
+    TE 2.0-2.18 (layout/shapes.py)."""
     from mugrpo_megatron.config import ParallelConfig
-    from mugrpo_megatron.learner.fp8 import gemm_inputs_ok, round_up, token_multiple
+    from mugrpo_megatron.layout.shapes import gemm_inputs_ok, round_up, token_multiple
 
     quantizable = {"delayed": 1, "tensorwise": 1, "mxfp8": 32, "blockwise": 128}[recipe]
     model = ModelConfig(dtype="bfloat16", fp8_format="hybrid", fp8_recipe=recipe)
@@ -57,7 +57,7 @@ def test_padded_rows_meet_transformer_engines_fp8_rules(recipe, tp, sp):
 
 def test_model_dims_are_checked_against_the_fp8_rule():
     from mugrpo_megatron.config import ParallelConfig
-    from mugrpo_megatron.learner.fp8 import check_model_dims
+    from mugrpo_megatron.layout.shapes import check_model_dims
     from mugrpo_megatron.models.hf_config import model_spec_from_dict, read_model_spec
 
     root = __import__("pathlib").Path(__file__).resolve().parents[1]

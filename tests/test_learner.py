@@ -14,7 +14,7 @@ import torch
 from helpers import ROOT, load_run, make_batch, torchrun
 from safetensors.torch import load_file
 
-from mugrpo_megatron.learner import fp8
+from mugrpo_megatron.layout import gemm_inputs_ok
 from mugrpo_megatron.learner.packing import sequence_lengths
 from mugrpo_megatron.models import FAMILIES as ARCHITECTURES
 from mugrpo_megatron.models.tiny import TINY_FAMILIES, make_tiny_checkpoint
@@ -185,7 +185,7 @@ def check_groups_and_gemms(got, multiple: int) -> None:
     assert got["group_timeouts"] == [TIMEOUT_MINUTES], got["group_timeouts"]
     assert got["gemm_inputs"]
     for shape in got["gemm_inputs"]:
-        assert fp8.gemm_inputs_ok(shape) and math.prod(shape[:-1]) % multiple == 0, shape
+        assert gemm_inputs_ok(shape) and math.prod(shape[:-1]) % multiple == 0, shape
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

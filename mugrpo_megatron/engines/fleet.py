@@ -34,7 +34,7 @@ from mugrpo_megatron import distributed
 from mugrpo_megatron.config import RolloutConfig
 from mugrpo_megatron.engines import make_engine
 from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
-from mugrpo_megatron.layout import Placement, launcher_ranks_per_node, placement
+from mugrpo_megatron.layout import Placement, launcher_ranks_per_node, placement, round_up
 
 
 class EngineFailed(RuntimeError):
@@ -52,7 +52,7 @@ def inflight_prompts(r: RolloutConfig, streams: bool, running: int | None) -> in
         return r.max_inflight_prompts
     if not streams:
         return r.shard_prompts
-    return -(-2 * running // r.group_size) if running else 0
+    return round_up(2 * running, r.group_size) // r.group_size if running else 0
 
 
 def share(n: int, part: int, parts: int) -> slice:

@@ -6,8 +6,10 @@
   parallel for a mixture of experts at TP > 1, FP8's GEMM shapes). ``train``, ``train --dry-run``,
   ``plan`` and ``convert`` call it first, and the learner calls ``check_model`` before it builds:
   one check, so a layout the dry run passes is one the learner builds.
-- ``Placement``: which ranks host an engine, which replica each rank belongs to and which rank
-  leads it; the fleet, ``plan`` and the dry run read it instead of working it out.
+- ``Placement`` (``placement``): which ranks host an engine, which replica each rank belongs to
+  and which rank leads it; the fleet, ``plan`` and the dry run read it instead of working it out.
+- ``shapes``: the pure rules of tensor shapes (rounding, FP8's GEMM shapes, the token multiple of
+  a microbatch row, the tokens of a packed row), which the learner and the dry run both follow.
 
 No megatron and no process group here: every error names the key or flag and the value, and
 comes before any rank waits for another or builds anything.
@@ -15,93 +17,21 @@ comes before any rank waits for another or builds anything.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import Literal
 
-from mugrpo_megatron.config import Config, ModelConfig, ParallelConfig, RolloutConfig
-from mugrpo_megatron.learner.fp8 import check_model_dims
+from mugrpo_megatron.config import Config, ModelConfig, ParallelConfig
+from mugrpo_megatron.layout.placement import Placement, launcher_ranks_per_node, placement
+from mugrpo_megatron.layout.shapes import (
+    check_model_dims,
+    gemm_inputs_ok,
+    pack_capacity,
+    round_up,
+    token_multiple,
+)
 from mugrpo_megatron.models.hf_config import ModelSpec
 
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the rollout engines of a job run (``rollout.placement``, with 'auto' resolved)."""
-
-    engine: str
-    kind: Literal["spmd", "node", "rank0"]
-    """'spmd': every rank hosts one tensor-parallel rank of a replica (vLLM's external launcher);
-    'node': each node's first rank starts an engine with processes of its own (SGLang); 'rank0':
-    one engine on global rank 0 (also spmd on a world of one rank: the plain in-process engine)."""
-    tensor_parallel: int
-    world_size: int
-    ranks_per_node: int
-
-    @property
-    def replicas(self) -> int:
-        if self.kind == "spmd":
-            return self.world_size // self.tensor_parallel
-        if self.kind == "node":
-            return self.world_size // self.ranks_per_node
-        return 1
-
-    def replica(self, rank: int) -> int:
-        """The replica ``rank`` belongs to (generates a share of a phase with)."""
-        if self.kind == "spmd":
-            return rank // self.tensor_parallel
-        return rank // self.ranks_per_node if self.kind == "node" else 0
-
-    def leads(self, rank: int) -> bool:
-        """Whether ``rank`` scores and persists its replica's answers."""
-        if self.kind == "spmd":
-            return rank % self.tensor_parallel == 0
-        return rank % self.ranks_per_node == 0 if self.kind == "node" else rank == 0
-
-    def hosts(self, rank: int) -> bool:
-        """Whether ``rank`` starts (a tensor-parallel rank of) an engine."""
-        return self.kind == "spmd" or self.leads(rank)
-
-    def describe(self) -> str:
-        if self.kind == "spmd":
-            return (f"{self.replicas} {self.engine} replica(s) at TP {self.tensor_parallel}, one "
-                    f"engine TP rank on every rank")
-        if self.kind == "node":
-            return (f"{self.replicas} {self.engine} engine(s) at TP {self.tensor_parallel}, one "
-                    f"per node (on each node's first rank)")
-        return f"one {self.engine} engine at TP {self.tensor_parallel}, on global rank 0"
-
-
-def launcher_ranks_per_node() -> int | None:
-    """Processes per node as torchrun reports them (``LOCAL_WORLD_SIZE``: one per GPU on a GPU
-    cluster); None when not launched by torchrun."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(local) if local else None
-
-
-def placement(r: RolloutConfig, world_size: int, ranks_per_node: int | None = None) -> Placement:
-    """Where ``r``'s engines run in a job of ``world_size`` ranks, ``ranks_per_node`` a node (the
-    whole world when not known). ValueError if the replicas do not tile the ranks, or if one
-    replica's tensor-parallel group would span two nodes."""
-    if ranks_per_node is not None and ranks_per_node < 1:
-        raise ValueError(f"--gpus-per-node: {ranks_per_node} must be at least 1")
-    per_node = min(ranks_per_node or world_size, world_size)  # a job smaller than a node
-    if world_size % per_node:
-        raise ValueError(f"{world_size} ranks do not split into nodes of {per_node} (torchrun's "
-                         f"LOCAL_WORLD_SIZE, or --gpus-per-node)")
-    if ranks_per_node is not None and (r.tensor_parallel > ranks_per_node or (
-            r.spmd and ranks_per_node % r.tensor_parallel)):
-        raise ValueError(f"rollout.tensor_parallel: {r.tensor_parallel} must "
-                         + ("divide" if r.spmd else "not exceed")
-                         + f" the {ranks_per_node} GPUs per node: an engine replica's "
-                           f"tensor-parallel group stays within a node")
-    if r.spmd and world_size % r.tensor_parallel:
-        raise ValueError(f"rollout.tensor_parallel: {r.tensor_parallel} must divide the "
-                         f"world size {world_size} with placement spmd (each engine replica "
-                         f"spans {r.tensor_parallel} of the job's ranks"
-                         + ("; launch through torchrun with at least that many processes"
-                            if world_size < r.tensor_parallel else "") + ")")
-    kind = "spmd" if r.spmd and world_size > 1 else "node" if r.per_node else "rank0"
-    return Placement(r.engine, kind, r.tensor_parallel, world_size, per_node)
+__all__ = ["JobLayout", "Placement", "check_layout", "check_model", "gemm_inputs_ok",
+           "launcher_ranks_per_node", "pack_capacity", "placement", "round_up", "token_multiple"]
 
 
 @dataclass(frozen=True)

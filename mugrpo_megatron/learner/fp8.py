@@ -1,95 +1,21 @@
-"""FP8 training through Transformer Engine: checks, megatron-core ``TransformerConfig`` fields, and
-the shapes an FP8 GEMM accepts.
+"""FP8 training through Transformer Engine: the checks and megatron-core ``TransformerConfig``
+fields of ``model.fp8_format`` / ``fp8_recipe``.
 
 TE is imported here only, and only when FP8 is asked for. Formats: 'e4m3' everywhere, or
 'hybrid' (e4m3 forward, e5m2 gradients). Recipes: 'delayed' (amax history), 'tensorwise'
 (current per-tensor scaling), 'blockwise' and 'mxfp8' (need a TE that has them; mxfp8 needs
-Blackwell).
-
-The shape rules (pure arithmetic, no TE needed: the learner and the dry run use them on CPU).
-Read in Transformer Engine 2.0, 2.4, 2.8, 2.12 and 2.18 (the range pyproject admits):
-
-- ``transformer_engine/pytorch/utils.py: assert_dim_for_fp8_exec``, called by ``Linear``,
-  ``LayerNormLinear`` and ``LayerNormMLP`` on their input and weight before an FP8 GEMM: the
-  product of all dimensions but the last must be divisible by 8, the last by 16. For an input
-  that is the tokens: (tokens this TP rank holds) % 8. With sequence parallel a column-parallel
-  layer's input is this rank's slice of the sequence, ``[seq / tp, micro_batch, hidden]``.
-- ``assert_dim_for_all_gather`` (2.8 to 2.12; the same quantizers in 2.18), where sequence
-  parallel all-gathers a quantized input: ``Quantizer.is_quantizable``, which for
-  ``Float8BlockQuantizer`` (recipe 'blockwise') needs the leading product divisible by its
-  block length, 128, and for ``MXFP8Quantizer`` by 32 (``MXFP8_BLOCK_SCALING_SIZE``).
-- megatron-core aligns FP8 token counts to 16 (32 for mxfp8) where it pads them itself
-  (``fp8_utils.get_fp8_align_size``, used for the MoE experts' inputs, which it pads: the dense
-  layers' token counts are ours to meet).
-
-So each microbatch row is padded (at the right, with tokens that are no response token: no loss,
-metric or log-prob sees them) until the tokens of each TP rank are a multiple of
-``RECIPE_TOKEN_MULTIPLE``; a packed row (THD) is sized the same way. The model's own dimensions
-(hidden size, the MLP and attention widths per TP rank) must meet the rule too:
-``check_model_dims`` refuses a layout that would fail in TE's first forward.
+Blackwell). The shapes an FP8 GEMM accepts are the layout's rules (``layout.shapes``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from mugrpo_megatron.config import ModelConfig, ParallelConfig
-from mugrpo_megatron.models.hf_config import ModelSpec
+from mugrpo_megatron.config import ModelConfig
 
 _MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
-
-GEMM_ROWS, GEMM_COLS = 8, 16
-"""``assert_dim_for_fp8_exec``: leading product % 8, last dimension % 16."""
-RECIPE_TOKEN_MULTIPLE = {"delayed": 16, "tensorwise": 16, "mxfp8": 32, "blockwise": 128}
-"""Tokens per TP rank that each recipe's FP8 GEMM inputs (and quantized all-gathers) accept:
-TE's 8, raised to megatron-core's own FP8 alignment (16, mxfp8 32) and to the blockwise
-quantizer's block of 128."""
-
-
-def token_multiple(model: ModelConfig, parallel: ParallelConfig) -> int:
-    """What a microbatch row's length (or a packed row's capacity) must be a multiple of: every
-    TP rank's share of its tokens is a multiple of what the FP8 recipe needs
-    (``parallel.pad_tokens_to`` overrides it, also without FP8), and with sequence parallel the
-    row splits evenly over the TP ranks."""
-    per_rank = parallel.pad_tokens_to or (
-        RECIPE_TOKEN_MULTIPLE[model.fp8_recipe] if model.fp8_format is not None else 1)
-    return per_rank * parallel.tensor if parallel.sequence_parallel else per_rank
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def gemm_inputs_ok(shape: tuple[int, ...]) -> bool:
-    """TE's ``assert_dim_for_fp8_exec`` for one tensor."""
-    return math.prod(shape[:-1]) % GEMM_ROWS == 0 and shape[-1] % GEMM_COLS == 0
-
-
-def check_model_dims(spec: ModelSpec, parallel: ParallelConfig) -> None:
-    """ValueError, naming the dimension, when a dense FP8 GEMM of this model at this TP size
-    would fail TE's rule whatever the tokens: the weights ``[out / tp, in]`` or ``[out, in / tp]``
-    of the four projections of a layer, and the inputs' last dimensions (MoE experts are padded
-    by megatron-core; their widths are checked the same way)."""
-    tp = parallel.tensor
-    mlp = spec.moe_ffn_hidden_size if spec.is_moe else spec.ffn_hidden_size
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    weights = {  # name: per-rank weight shape [out, in]
-        "linear_qkv (query, key and value heads x head_dim / TP, hidden)": ((q + 2 * kv) // tp,
-                                                                            spec.hidden_size),
-        "linear_proj (hidden, query heads x head_dim / TP)": (spec.hidden_size, q // tp),
-        "linear_fc1 (2 x MLP size / TP, hidden)": (2 * mlp // tp, spec.hidden_size),
-        "linear_fc2 (hidden, MLP size / TP)": (spec.hidden_size, mlp // tp),
-    }
-    for name, shape in weights.items():
-        if not gemm_inputs_ok(shape):
-            raise ValueError(
-                f"model.fp8_format: the FP8 GEMM of {name} would have the weight shape "
-                f"{list(shape)} at parallel.tensor = {tp}; Transformer Engine needs the first "
-                f"dimension divisible by {GEMM_ROWS} and the last by {GEMM_COLS}. Choose another "
-                f"parallel.tensor, or train this model without FP8.")
 
 
 def fp8_kwargs(model: ModelConfig) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from megatron.core.transformer.module import Float16Module
 
 from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config, ModelConfig, OptimConfig, ParallelConfig
-from mugrpo_megatron.learner.fp8 import round_up, token_multiple
+from mugrpo_megatron.layout import pack_capacity, round_up, token_multiple
 from mugrpo_megatron.learner.model import (
     DTYPES,
     build_chunks,
@@ -47,13 +47,7 @@ from mugrpo_megatron.learner.model import (
     uses_transformer_engine,
 )
 from mugrpo_megatron.learner.offload import HostOffload, OffloadStats
-from mugrpo_megatron.learner.packing import (
-    PackedRow,
-    pack_capacity,
-    pack_row,
-    plan_bins,
-    sequence_lengths,
-)
+from mugrpo_megatron.learner.packing import PackedRow, pack_row, plan_bins, sequence_lengths
 from mugrpo_megatron.models.hf_config import read_model_spec
 from mugrpo_megatron.objective import metric_sums, metrics_from_sums, policy_loss
 from mugrpo_megatron.types import TokenBatch, TrainBatch

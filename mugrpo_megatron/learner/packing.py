@@ -9,7 +9,8 @@ only position differences enter attention, and no attention crosses sequences.
 
 Loss and metrics are computed per sequence on values unpacked to ``[n, L]`` (L: the longest
 sequence of the row), so the veto's "every token after the trigger" stays within its own response.
-Pure torch: no megatron here (the dry run reads ``pack_capacity``).
+Pure torch: no megatron here. How many tokens a packed row holds is the layout's rule
+(``layout.shapes.pack_capacity``).
 """
 
 from __future__ import annotations
@@ -17,22 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from mugrpo_megatron.config import ParallelConfig
-from mugrpo_megatron.learner.fp8 import round_up
-
-
-def pack_capacity(parallel: ParallelConfig, max_sequence_tokens: int, thd: bool,
-                  multiple: int) -> int:
-    """Tokens of a packed microbatch row (0: pad): ``parallel.pack_tokens``, where 'auto' packs
-    through Transformer Engine's THD attention (``thd``) into rows of micro_batch_size x the
-    longest sequence (``max_sequence_tokens``: data.max_prompt_tokens + rollout.max_new_tokens),
-    the most a padded microbatch could hold, and pads without TE; rounded up to ``multiple``
-    (FP8, sequence parallel)."""
-    tokens = parallel.pack_tokens
-    if tokens == "auto":
-        tokens = parallel.micro_batch_size * max_sequence_tokens if thd else 0
-    return round_up(tokens, multiple) if tokens else 0
 
 
 def plan_bins(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mugrpo_megatron.layout import round_up
 from mugrpo_megatron.types import TrainBatch
 
 
@@ -21,7 +22,7 @@ def padded_batch(rows: Sequence[tuple[Sequence[int], Sequence[int], Sequence[flo
     (tuples or numpy views of a mapped shard); the length is rounded up to ``multiple_of``.
     Memory and time: the batch."""
     lengths = [len(p) + len(r) for p, r, _ in rows]
-    seq = -(-max(lengths) // multiple_of) * multiple_of
+    seq = round_up(max(lengths), multiple_of)
     tokens = np.full((len(rows), seq), pad_id, dtype=np.int64)
     mask = np.zeros((len(rows), seq), dtype=bool)
     behav = np.zeros((len(rows), seq), dtype=np.float32)
