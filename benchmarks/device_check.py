@@ -102,7 +102,7 @@ def make_model(size: str) -> Path:
 
 
 def make_learner(path: Path, args, fp8: bool):
-    from mugrpo_megatron.config_loader import load_config
+    from mugrpo_megatron.config.loader import load_config
     from mugrpo_megatron.learner.learner import Learner
 
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"

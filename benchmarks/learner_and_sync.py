@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from common import random_batch, summarize, table, write_json  # noqa: E402
 
-from mugrpo_megatron.config_loader import load_config  # noqa: E402
+from mugrpo_megatron.config.loader import load_config  # noqa: E402
 from mugrpo_megatron.engines.fleet import EngineFleet  # noqa: E402
 from mugrpo_megatron.learner.export import iter_hf_tensors  # noqa: E402
 from mugrpo_megatron.learner.learner import Learner  # noqa: E402

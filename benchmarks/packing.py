@@ -97,7 +97,7 @@ def cpu_update_times(args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from mugrpo_megatron.config_loader import load_config
+    from mugrpo_megatron.config.loader import load_config
     from mugrpo_megatron.learner.learner import Learner
     from mugrpo_megatron.models.tiny import make_tiny_checkpoint
     from mugrpo_megatron.phase.batches import padded_batch

@@ -73,7 +73,7 @@ def rank_main(rank: int, args: dict, out: str) -> None:
     from phase_scale import PeakMemory
     from transformers import AutoTokenizer
 
-    from mugrpo_megatron.config_loader import load_config
+    from mugrpo_megatron.config.loader import load_config
     from mugrpo_megatron.data import load_prompts
 
     gloo_world(rank, 2, out)

@@ -58,7 +58,7 @@ def worker(model: Path, fmt: str, out: Path) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from common import random_batch
 
-    from mugrpo_megatron.config_loader import load_config
+    from mugrpo_megatron.config.loader import load_config
     from mugrpo_megatron.learner.checkpoint import save_learner
     from mugrpo_megatron.learner.learner import Learner
 

@@ -15,7 +15,7 @@ import sys
 
 from mugrpo_megatron import outputs
 from mugrpo_megatron.config import Config
-from mugrpo_megatron.config_loader import describe, load_config
+from mugrpo_megatron.config.loader import describe, load_config
 
 DRY_RUN_GPUS_PER_NODE = 8  # an H100 node
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config
-from mugrpo_megatron.config_loader import dump_yaml, to_dict
+from mugrpo_megatron.config.loader import dump_yaml, to_dict
 from mugrpo_megatron.models.hf_config import TOKENIZER_FILES
 from mugrpo_megatron.outputs import move_aside, write_file
 

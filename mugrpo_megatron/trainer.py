@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mugrpo_megatron.config import Config
-from mugrpo_megatron.config_loader import to_dict
+from mugrpo_megatron.config.loader import to_dict
 from mugrpo_megatron.data import load_prompts
 from mugrpo_megatron.data.prompt_store import open_prompt_set
 from mugrpo_megatron.distributed import on_rank0

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from mugrpo_megatron.config import Config
-from mugrpo_megatron.config_loader import describe, dump_yaml, field_docs, load_config
+from mugrpo_megatron.config.loader import describe, dump_yaml, field_docs, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

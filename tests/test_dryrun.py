@@ -4,7 +4,7 @@ import pytest
 from helpers import ROOT
 
 from mugrpo_megatron.__main__ import main
-from mugrpo_megatron.config_loader import load_config
+from mugrpo_megatron.config.loader import load_config
 from mugrpo_megatron.dryrun import GIB, activation_bytes, dry_run, estimate
 from mugrpo_megatron.layout import check_layout
 from mugrpo_megatron.models.hf_config import read_model_spec

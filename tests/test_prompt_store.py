@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from common import gloo_world, spawn_ranks
 
-from mugrpo_megatron.config_loader import load_config
+from mugrpo_megatron.config.loader import load_config
 from mugrpo_megatron.data import load_prompts
 from mugrpo_megatron.data.prompt_store import (
     PromptSet,

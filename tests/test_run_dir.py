@@ -13,7 +13,7 @@ from helpers import ROOT, torchrun
 
 from mugrpo_megatron import outputs
 from mugrpo_megatron.__main__ import main
-from mugrpo_megatron.config_loader import load_config
+from mugrpo_megatron.config.loader import load_config
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 from mugrpo_megatron.run_dir import RUN_FILE, check, record_start
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mugrpo_megatron.config_loader import load_config
+from mugrpo_megatron.config.loader import load_config
 from mugrpo_megatron.learner.checkpoint import load_learner, save_learner
 from mugrpo_megatron.learner.export import iter_hf_tensors
 from mugrpo_megatron.learner.learner import Learner

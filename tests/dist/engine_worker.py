@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mugrpo_megatron.config_loader import load_config
+from mugrpo_megatron.config.loader import load_config
 from mugrpo_megatron.engines import SamplingSpec
 from mugrpo_megatron.engines.fleet import EngineFailed, EngineFleet
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint

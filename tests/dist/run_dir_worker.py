@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from mugrpo_megatron import run_dir
-from mugrpo_megatron.config_loader import load_config
+from mugrpo_megatron.config.loader import load_config
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
 

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 import mugrpo_megatron
 
-from mugrpo_megatron.config_loader import load_config
+from mugrpo_megatron.config.loader import load_config
 from mugrpo_megatron.learner.compat_megatron import inner_optimizers, megatron_on_cpu
 from mugrpo_megatron.learner.export import iter_hf_tensors
 from mugrpo_megatron.learner.learner import Learner

@@ -1,0 +1,62 @@
+"""Run configuration: frozen dataclasses, one per concern (``config.loader`` builds them from YAML
+with dotted overrides).
+
+Every field has a docstring under it (``python -m mugrpo_megatron config`` prints them).
+Loading checks types and rejects unknown keys; each section validates its own values in
+``__post_init__``; ``layout.check_layout`` validates the layout for a world size and a model.
+All of this runs before any process group exists, and every error names the key and the value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mugrpo_megatron.config.algo import AlgoConfig
+from mugrpo_megatron.config.learner import ModelConfig, OptimConfig, ParallelConfig
+from mugrpo_megatron.config.rollout import RolloutConfig
+from mugrpo_megatron.config.run import CheckpointConfig, DataConfig, LoggingConfig, RewardConfig
+
+__all__ = ["AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "LoggingConfig",
+           "ModelConfig", "OptimConfig", "ParallelConfig", "RewardConfig", "RolloutConfig"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run: one object, built from YAML, validated before any process group exists."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy to train."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The learner's parallel layout."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The rollout engine and its sampling."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Mu-GRPO: schedule, clipping, veto."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer and learning-rate schedule."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training and held-out prompts."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How responses are scored."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving, resuming and exporting."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Where and how progress is reported."""
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence a phase can hold: the longest prompt and the longest response."""
+        return self.data.max_prompt_tokens + self.rollout.max_new_tokens
+
+    def __post_init__(self) -> None:
+        pack = self.parallel.pack_tokens
+        if pack != "auto" and 0 < pack < self.max_sequence_tokens:
+            raise ValueError(f"parallel.pack_tokens: {pack} tokens cannot hold the longest "
+                             f"sequence, data.max_prompt_tokens + rollout.max_new_tokens = "
+                             f"{self.max_sequence_tokens}; raise it, or 0 to pad")
+        samples_per_phase = self.algo.prompts_per_phase * self.rollout.group_size
+        if self.algo.samples_per_update > samples_per_phase:
+            raise ValueError(
+                f"algo.samples_per_update: {self.algo.samples_per_update} is more than a phase "
+                f"generates (algo.prompts_per_phase x rollout.group_size = {samples_per_phase})"
+            )

@@ -1,0 +1,104 @@
+"""The rollout engine and its sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from mugrpo_megatron.config.section import Section
+
+
+@dataclass(frozen=True)
+class RolloutConfig(Section):
+    _name: ClassVar[str] = "rollout"
+
+    engine: Literal["vllm", "sglang"] = "vllm"
+    """Rollout engine, imported only when chosen. SGLang needs an environment of its own (it pins
+    its own torch): scripts/setup_sglang_env.sh."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size of each engine replica (independent of the learner's layout)."""
+    placement: Literal["auto", "spmd", "node", "rank0"] = "auto"
+    """Where the engine runs. 'spmd' (vLLM): every torchrun rank hosts one tensor-parallel rank of
+    an engine, so world size / rollout.tensor_parallel replicas each generate a share of the
+    prompts (vLLM's external launcher), and every replica takes the weights in-process from the
+    learner on its own ranks. 'node' (SGLang): one engine per node, started by the node's first
+    rank with rollout.tensor_parallel of its GPUs; each takes every weight from the learner ranks
+    of its own process. 'rank0': one engine started by global rank 0 (vLLM then needs
+    rollout.tensor_parallel = 1). 'auto': spmd for vLLM, node for SGLang."""
+    group_size: int = 8
+    """G: responses sampled per prompt; advantages are normalised within each group."""
+    max_new_tokens: int = 512
+    """Longest response, in tokens; longer ones stop with finish reason 'length'."""
+    temperature: float = 1.0
+    """Sampling temperature (1.0 samples the policy itself, which the ratios assume)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; below 1.0 the behaviour log-probs are not the policy's."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    gpu_memory_utilization: float = 0.6
+    """Fraction of GPU memory the engine may take for weights and KV cache (GPU only)."""
+    cpu_kv_cache_gib: float = 1.0
+    """KV-cache size in GiB when the engine runs on CPU."""
+    sleep_between_phases: bool = True
+    """Release the engine's GPU memory (weights and KV cache) while the learner optimizes."""
+    weight_bucket_mb: int = 512
+    """Size of one bucket of weights streamed from the learner to the engine, in MiB."""
+    shard_prompts: int = 64
+    """Groups (prompts, each with its G responses) per rollout shard. A replica's leader scores
+    finished groups and writes them to the run directory a shard at a time, so a kill loses at
+    most the groups in the engine plus about one shard per replica. Larger shards: fewer files
+    (each open shard holds a file descriptor on every rank; 10^6 responses at G = 8 and 256
+    prompts a shard is ~490 files)."""
+    max_num_seqs: int = 0
+    """Sequences an engine replica runs at once at most (each of a group's G responses is one):
+    vLLM's max_num_seqs, SGLang's max_running_requests. 0: the engine's default (vLLM 0.32: 1024
+    on H100/H200, 256 on smaller GPUs, 256 x TP on CPU)."""
+    max_inflight_prompts: int = 0
+    """Prompts each replica keeps queued in its engine while it streams its share of a phase
+    (each finished group is replaced by the next prompt). 0: twice what the engine runs at once,
+    ceil(2 x its max_num_seqs / G): the running batch stays full with as many waiting to take a
+    finished group's place, and a share of 1.25 x 10^5 requests (10^6 responses, 8 replicas) is
+    not held in the scheduler as Python objects. SGLang has no step API here: it takes windows
+    of this many (0: rollout.shard_prompts), each waiting for its slowest response."""
+    eval_samples: int = 1
+    """Responses per held-out prompt in evaluation (k of mean@k and pass@k); 1 decodes greedily."""
+    mismatch_check_samples: int = 4
+    """Engine samples re-scored by the learner after each weight sync (train/infer log-prob gap);
+    0 turns the check off."""
+    seed: int = 0
+    """Sampling seed of the engine."""
+
+    def __post_init__(self) -> None:
+        self._positive("tensor_parallel", "group_size", "max_new_tokens", "cpu_kv_cache_gib",
+                       "weight_bucket_mb", "shard_prompts", "eval_samples")
+        self._non_negative("mismatch_check_samples", "max_inflight_prompts", "max_num_seqs")
+        if not 0 < self.temperature:
+            self._fail("temperature", "must be > 0")
+        if not 0 < self.top_p <= 1:
+            self._fail("top_p", "must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            self._fail("top_k", "must be -1 (off) or >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            self._fail("gpu_memory_utilization", "must be in (0, 1]")
+        if self.placement == "spmd" and self.engine != "vllm":
+            self._fail("placement", f"spmd needs vLLM's external launcher; {self.engine} runs as "
+                                    f"one engine per node or on rank 0 (placement: node, rank0 "
+                                    f"or auto)")
+        if self.placement == "node" and self.engine != "sglang":
+            self._fail("placement", "node is for SGLang (its engine runs its own processes); "
+                                    "vLLM's replicas per node are placement spmd")
+        if self.spmd is False and self.engine == "vllm" and self.tensor_parallel > 1:
+            self._fail("placement", f"rank0 with vLLM needs rollout.tensor_parallel = 1 (got "
+                                    f"{self.tensor_parallel}): vLLM would run its other "
+                                    f"tensor-parallel ranks in processes of its own, which the "
+                                    f"weight stream cannot reach; use placement: spmd (or auto)")
+
+    @property
+    def spmd(self) -> bool:
+        """Whether every rank hosts an engine rank (``placement``, with 'auto' resolved)."""
+        return self.engine == "vllm" and self.placement in ("auto", "spmd")
+
+    @property
+    def per_node(self) -> bool:
+        """Whether each node's first rank starts an engine (``placement`` node, or auto with SGLang)."""
+        return self.engine == "sglang" and self.placement in ("auto", "node")
