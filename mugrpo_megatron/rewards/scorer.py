@@ -1,0 +1,178 @@
+"""The scorer: reward functions (``registry``) run in a killable process pool.
+
+Each response is scored under a hard wall-clock limit: pebble's ``ProcessPool`` kills a worker that
+overruns and starts a fresh one, so an adversarial completion costs at most ``timeout_s`` and scores
+0. Responses travel to the workers ``reward.batch_responses`` at a time (one task per response
+costs ~0.5 ms of pool overhead, more than a cheap reward: 10^6 responses a phase would spend
+minutes on it); a batch that overruns ``timeout_s`` or loses its worker is scored again one
+response per task, so the limit still holds per response, at twice ``timeout_s`` for a batch
+with a hanging response. We use pebble rather than ``concurrent.futures`` because the latter
+cannot stop a running task.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import numbers
+from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+from pebble import ProcessExpired, ProcessPool
+
+from mugrpo_megatron.config import RewardConfig
+from mugrpo_megatron.rewards.registry import RewardFn, resolve_reward, reward_path
+
+
+@dataclass
+class RewardOutcome:
+    """Rewards of one batch, and what went wrong while scoring it."""
+
+    rewards: list[float]
+    """One reward per response, in order; 0.0 where scoring timed out or failed."""
+    num_timeouts: int = 0
+    """Responses whose scoring passed reward.timeout_s and was killed."""
+    num_errors: int = 0
+    """Responses whose reward function raised, or returned something other than a finite number
+    within reward.max_abs_reward (a string, a bool, NaN, 1e308...)."""
+    errors: list[str] = field(default_factory=list)
+    """The first few error messages, with the response index."""
+
+
+class RewardScorer:
+    """Scores (completion, answer) pairs in worker processes with a per-response time limit."""
+
+    max_error_messages = 5
+
+    def __init__(self, cfg: RewardConfig):
+        self.cfg = cfg
+        resolve_reward(cfg.name)  # fail now, in the parent, with a clear message
+        self._path = reward_path(cfg.name)
+        # spawn: the parent may hold threads (torch, the engine) that make fork unsafe.
+        self._pool = ProcessPool(max_workers=cfg.num_workers,
+                                 context=multiprocessing.get_context("spawn"))
+
+    def score(self, completions: Sequence[str], answers: Sequence[str],
+              on_done: Callable[[int], None] | None = None) -> RewardOutcome:
+        """Score and wait: ``submit(...).result()``."""
+        return self.submit(completions, answers).result(on_done)
+
+    def submit(self, completions: Sequence[str], answers: Sequence[str]) -> PendingScores:
+        """Queue the responses on the workers, ``reward.batch_responses`` a task, and return at
+        once: the caller (an engine replica's leader) goes on generating while they are scored."""
+        if len(completions) != len(answers):
+            raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
+        k = self.cfg.batch_responses
+        batches = [(list(completions[i:i + k]), list(answers[i:i + k]))
+                   for i in range(0, len(completions), k)]
+        return PendingScores(self, [(c, a, self._schedule(c, a)) for c, a in batches])
+
+    def _schedule(self, completions: list[str], answers: list[str]):
+        return self._pool.schedule(_score_batch, args=(self._path, completions, answers,
+                                                       self.cfg.max_answer_chars),
+                                   timeout=self.cfg.timeout_s)
+
+    def _checked(self, value: object) -> float:
+        """A reward function's return value as a float; ValueError (a counted reward error) unless
+        it is a real number (not a bool or a string) within +-reward.max_abs_reward."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"reward must be a number, got {type(value).__name__} "
+                             f"{str(value)[:50]!r}")
+        value = float(value)
+        if not math.isfinite(value) or abs(value) > self.cfg.max_abs_reward:
+            raise ValueError(f"reward is {value}, outside +-{self.cfg.max_abs_reward:g} "
+                             f"(reward.max_abs_reward)")
+        return value
+
+    def _note(self, out: RewardOutcome, message: str) -> None:
+        if len(out.errors) < self.max_error_messages:
+            out.errors.append(message)
+
+    def close(self) -> None:
+        self._pool.stop()
+        self._pool.join()
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PendingScores:
+    """Rewards being computed; ``done()`` without waiting, ``result()`` waits."""
+
+    def __init__(self, scorer: RewardScorer, batches: list):
+        self._scorer = scorer
+        self._batches = batches
+        """(completions, answers, future of the batch's per-response outcomes)."""
+
+    def done(self) -> bool:
+        return all(f.done() for *_, f in self._batches)
+
+    def result(self, on_done: Callable[[int], None] | None = None) -> RewardOutcome:
+        scorer = self._scorer
+        out = RewardOutcome(rewards=[])
+        for completions, answers, fut in self._batches:
+            try:
+                outcomes = fut.result()
+            except (Exception, ProcessExpired):  # noqa: BLE001 - a timeout, or a dead worker
+                # the batch ran past timeout_s or its worker died: score each response alone,
+                # under its own limit, to find the one at fault and keep the others' rewards
+                outcomes = [self._alone(scorer._schedule([c], [a])) for c, a in
+                            zip(completions, answers)]
+            for ok, value in outcomes:
+                i = len(out.rewards)
+                out.rewards.append(0.0)
+                error = value if ok == "error" else None
+                if ok == "timeout":
+                    out.num_timeouts += 1
+                    scorer._note(out, f"response {i}: scoring took over {scorer.cfg.timeout_s} s,"
+                                      f" scored 0")
+                elif ok == "ok":
+                    try:
+                        out.rewards[i] = scorer._checked(value)
+                    except ValueError as e:  # not a finite number within range: scores 0
+                        error = f"ValueError: {e}"
+                if error is not None:
+                    out.num_errors += 1
+                    scorer._note(out, f"response {i}: {str(error)[:200]}")
+                if on_done is not None:
+                    on_done(1)
+        return out
+
+    @staticmethod
+    def _alone(fut) -> tuple[str, object]:
+        try:
+            return fut.result()[0]
+        except FutureTimeout:
+            return "timeout", None
+        except (Exception, ProcessExpired) as e:  # noqa: BLE001 - the worker died
+            return "error", f"{type(e).__name__}: {str(e)[:200]}"
+
+
+_FN_CACHE: dict[str, RewardFn] = {}
+
+
+def _score_batch(path: str, completions: list[str], answers: list[str], max_answer_chars: int
+                 ) -> list[tuple[str, object]]:
+    """Runs in a worker: ("ok", value) or ("error", "Type: message") per response, so one
+    response's exception costs only its own reward."""
+    out: list[tuple[str, object]] = []
+    for c, a in zip(completions, answers):
+        try:
+            out.append(("ok", _call_by_path(path, c, a, max_answer_chars)))
+        except Exception as e:  # noqa: BLE001 - reported per response
+            out.append(("error", f"{type(e).__name__}: {str(e)[:200]}"))
+    return out
+
+
+def _call_by_path(path: str, completion: str, answer: str, max_answer_chars: int) -> float:
+    """Runs in a worker: import the reward once per process, then call it."""
+    fn = _FN_CACHE.get(path)
+    if fn is None:
+        fn = _FN_CACHE[path] = resolve_reward(path)
+    if getattr(fn, "takes_max_answer_chars", False):
+        return fn(completion, answer, max_answer_chars=max_answer_chars)  # type: ignore[call-arg]
+    return fn(completion, answer)
