@@ -177,22 +177,19 @@ def packing_section(state: dict, args) -> dict:
     """Packed rows (THD through TE on a GPU, the masked path elsewhere) against padded ones on
     responses of varied lengths: the log-prob difference and the train-step speed of each."""
 
-    from common import Sample, to_batch
-
     from mugrpo_megatron.layout import round_up
     from mugrpo_megatron.learner.packing import sequence_lengths
+    from mugrpo_megatron.phase.batches import padded_batch
 
     learner = state["learner"]
     g = torch.Generator().manual_seed(2)
     vocab, prompt = learner.spec.vocab_size, args.seq // 4
-    samples = []
-    for i in range(args.samples):
+    rows = []
+    for _ in range(args.samples):
         n = int(torch.randint(args.seq // 16, args.seq - prompt + 1, (1,), generator=g))
-        samples.append(Sample(0, i, i // 4,
-                              tuple(torch.randint(5, vocab, (prompt,), generator=g).tolist()),
-                              tuple(torch.randint(5, vocab, (n,), generator=g).tolist()),
-                              tuple([-3.0] * n), "length", advantage=float(i % 3 - 1)))
-    batch = to_batch(samples)
+        rows.append((torch.randint(5, vocab, (prompt,), generator=g).tolist(),
+                     torch.randint(5, vocab, (n,), generator=g).tolist(), [-3.0] * n))
+    batch = padded_batch(rows, [float(i % 3 - 1) for i in range(len(rows))])
     out = {"padding_frac": 1 - sum(sequence_lengths(batch.response_mask)) / batch.tokens.numel()}
     # the learner reads its pack_capacity at each call: switch it for this comparison only
     own = learner.pack_capacity
@@ -214,11 +211,9 @@ def packing_section(state: dict, args) -> dict:
 
 
 def engine_section(path: Path, state: dict, args) -> dict:
-    from common import Sample, to_batch
-
     from mugrpo_megatron.engines import SamplingSpec, make_engine
     from mugrpo_megatron.learner.export import iter_hf_tensors
-    from mugrpo_megatron.phase.batches import logprob_gap
+    from mugrpo_megatron.phase.batches import logprob_gap, padded_batch
 
     learner, cfg = state["learner"], state["cfg"]
     out = {}
@@ -247,9 +242,10 @@ def engine_section(path: Path, state: dict, args) -> dict:
 
         def gap_of(gens) -> dict:
             """The learner's log-probs of each prompt's first sample against the engine's."""
-            samples = [Sample(0, i, i, tuple(prompts[i]), x.token_ids, x.logprobs, x.finish_reason)
-                       for i, group in enumerate(gens) for x in group[:1]][:args.samples]
-            batch = to_batch(samples[:len(samples) - len(samples) % args.micro] or samples[:1])
+            rows = [(prompts[i], x.token_ids, x.logprobs)
+                    for i, group in enumerate(gens) for x in group[:1]][:args.samples]
+            rows = rows[:len(rows) - len(rows) % args.micro] or rows[:1]
+            batch = padded_batch(rows, [0.0] * len(rows))
             gap = logprob_gap(learner.logprobs(batch)[0], batch)
             return {"mean": gap.mean, "max": gap.max, "tokens": gap.num_tokens}
 

@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -173,15 +174,27 @@ def new_path(rank: int, world: int, size: int, work: Path, args) -> dict:
             "disk_mib": sum(p.stat().st_size for p in directory.iterdir()) / 2**20}
 
 
+@dataclass(frozen=True)
+class OldSample:
+    """A response as the replaced path kept it: one Python object, its tokens as tuples."""
+
+    group: int
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    behav_logprobs: tuple[float, ...]
+    reward: float = 0.0
+    advantage: float = 0.0
+
+
 def old_path(rank: int, world: int, size: int, work: Path, args) -> dict:
     """The replaced path: pickle to rank 0, Sample objects, parquet, broadcast of the phase."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from common import Sample, to_batch
     from transformers import AutoTokenizer
 
     from mugrpo_megatron.config import RewardConfig
     from mugrpo_megatron.objective import group_advantages
+    from mugrpo_megatron.phase.batches import padded_batch
     from mugrpo_megatron.phase.generation import share
     from mugrpo_megatron.rewards import RewardScorer
 
@@ -199,7 +212,7 @@ def old_path(rank: int, world: int, size: int, work: Path, args) -> dict:
     if rank == 0:
         groups = [g for part in parts for g in part]
         del parts
-        flat = [Sample(0, k, k, prompts[k].token_ids, x.token_ids, x.logprobs, x.finish_reason)
+        flat = [OldSample(k, prompts[k].token_ids, x.token_ids, x.logprobs)
                 for k, group in enumerate(groups) for x in group]
         del groups
         texts = tok.batch_decode([list(s.response_ids) for s in flat], skip_special_tokens=True)
@@ -231,7 +244,9 @@ def old_path(rank: int, world: int, size: int, work: Path, args) -> dict:
     per_update = []
     t_mb = time.perf_counter()
     for mb in sched.minibatches(phase, len(train)):
-        to_batch([train[i] for i in mb.sample_indices])
+        picked = [train[i] for i in mb.sample_indices]
+        padded_batch([(s.prompt_ids, s.response_ids, s.behav_logprobs) for s in picked],
+                     [s.advantage for s in picked])
         now = time.perf_counter()
         per_update.append(now - t_mb)
         t_mb = now

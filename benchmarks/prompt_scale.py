@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import gloo_world, spawn_ranks, table, write_json  # noqa: E402
+from common import table, write_json  # noqa: E402
 
 PHASE_PROMPTS = 16_384
 WORDS = ("what is the answer to add numbers trees grove workers plant today there are how many "
@@ -65,7 +66,11 @@ def rss() -> dict[str, float]:
     return out
 
 
-def rank_main(rank: int, args: dict, out: str) -> None:
+def rank_main(spec: str) -> None:
+    """One of the two ranks (``torchrun``, ``--rank-spec``): open the prompt set as ``mode`` says
+    and read a phase's prompts; writes its numbers into the spec's directory."""
+    args = json.loads(Path(spec).read_text())
+    out = args["out"]
     if args["old_tree"]:
         sys.path.insert(0, args["old_tree"])
     import numpy as np
@@ -76,7 +81,8 @@ def rank_main(rank: int, args: dict, out: str) -> None:
     from mugrpo_megatron.config.loader import load_config
     from mugrpo_megatron.data import load_prompts
 
-    gloo_world(rank, 2, out)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
     cfg = load_config(None, [f"model.path={args['model']}", f"data.path={args['data']}",
                              f"logging.run_dir={args['run_dir']}", "logging.progress=false"])
     tok = AutoTokenizer.from_pretrained(args["model"])
@@ -121,10 +127,13 @@ def run_size(n: int, mode: str, args, work: Path, model: str) -> list[dict]:
     run_dir = work / f"run_{n}"
     spec = {"mode": mode, "model": model, "data": str(data),
             "run_dir": str(run_dir if mode != "old" else out / "run"),
-            "old_tree": args.old_tree if mode == "old" else None}
-    codes = spawn_ranks(rank_main, spec, str(out), timeout=3600)
-    if any(codes):
-        raise RuntimeError(f"{mode} at {n} prompts: a rank failed (exit codes {codes})")
+            "old_tree": args.old_tree if mode == "old" else None, "out": str(out)}
+    (out / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           __file__, "--rank-spec", str(out / "spec.json")]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=3600)
+    if proc.returncode:
+        raise RuntimeError(f"{mode} at {n} prompts: a rank failed (exit code {proc.returncode})")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -136,7 +145,11 @@ def main() -> int:
     ap.add_argument("--work-dir", default=None, help="where the data files go (default: a tmp dir)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prompt_scale.json"))
     ap.add_argument("--quick", action="store_true", help="2x10^3 and 2x10^4 prompts")
+    ap.add_argument("--rank-spec", help=argparse.SUPPRESS)  # one rank of a run (under torchrun)
     args = ap.parse_args()
+    if args.rank_spec:
+        rank_main(args.rank_spec)
+        return 0
     if args.quick:
         args.sizes = "2000,20000"
         args.out = str(Path(tempfile.gettempdir()) / "prompt_scale_quick.json")

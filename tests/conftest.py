@@ -13,9 +13,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # stalling (seen here: a torch loop 2.3x slower beside one busy process with spinning threads,
 # 1.6x with sleeping ones). Every process the tests start inherits this.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# the tests' helpers, also in the processes tests spawn (multiprocessing passes sys.path on)
 sys.path.insert(0, str(Path(__file__).parent))
-# benchmarks/common.py: Sample and to_batch, responses as Python objects (tests and benchmarks)
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
 
 @pytest.fixture(scope="session")

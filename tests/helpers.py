@@ -1,13 +1,19 @@
-"""Helpers shared by the tests: tiny batches and torchrun launches."""
+"""Helpers shared by the tests: tiny batches, responses as Python objects, torchrun launches and
+spawned gloo worlds."""
 
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from mugrpo_megatron.phase.batches import padded_batch
+from mugrpo_megatron.types import TrainBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,3 +70,58 @@ def set_args(sets: dict) -> list[str]:
 def records(run_dir: Path) -> list[dict]:
     """A run's metrics.jsonl, one dict per line."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One response to one prompt as a Python object: for tests, benchmarks and the engine
+    contract checks (a phase keeps its responses as arrays in shards, never as these)."""
+
+    phase: int
+    """Phase that generated it (the behaviour policy's phase)."""
+    prompt_index: int
+    """Row of the prompt in the training set."""
+    group: int
+    """Position of the prompt within the phase; the G samples of a prompt share it."""
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    behav_logprobs: tuple[float, ...]
+    """The engine's log-prob of each response token when it sampled it."""
+    finish_reason: str
+    reward: float = 0.0
+    advantage: float = 0.0
+
+
+def to_batch(samples: Sequence[Sample], pad_id: int = 0, multiple_of: int = 1) -> TrainBatch:
+    """``padded_batch`` of ``Sample`` objects (tests, benchmarks, the engine contract checks)."""
+    return padded_batch([(s.prompt_ids, s.response_ids, s.behav_logprobs) for s in samples],
+                        [s.advantage for s in samples], pad_id, multiple_of)
+
+
+def spawn_ranks(target, *args, ranks: int = 2, timeout: float = 600) -> list[int | None]:
+    """``target(rank, *args)`` in ``ranks`` fresh processes (spawned: no state of this one),
+    each killed past ``timeout`` seconds; their exit codes. The targets form their gloo world
+    themselves, through a file rendezvous (``gloo_world``), so no port is raced for."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, *args), daemon=True) for r in range(ranks)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=timeout)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return [proc.exitcode for proc in procs]
+
+
+def gloo_world(rank: int, ranks: int, directory: str | Path, minutes: float = 60) -> None:
+    """Join a gloo world of ``ranks`` through a rendezvous file in ``directory``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank,
+                            world_size=ranks, timeout=datetime.timedelta(minutes=minutes))

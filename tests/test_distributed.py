@@ -6,7 +6,7 @@ untouched (the ranks are out of step: waiting for an agreement would take as lon
 import json
 from pathlib import Path
 
-from common import gloo_world, spawn_ranks
+from helpers import gloo_world, spawn_ranks
 
 
 def _rank(rank: int, out: str) -> None:

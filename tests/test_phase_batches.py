@@ -2,7 +2,7 @@
 
 from dataclasses import replace
 
-from common import Sample, to_batch
+from helpers import Sample, to_batch
 
 from mugrpo_megatron.phase.batches import logprob_gap
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from common import Sample, to_batch
+from helpers import Sample, to_batch
 
 from mugrpo_megatron.config import RewardConfig
 from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec

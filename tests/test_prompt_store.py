@@ -9,7 +9,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from common import gloo_world, spawn_ranks
+from helpers import gloo_world, spawn_ranks
 
 from mugrpo_megatron.config.loader import load_config
 from mugrpo_megatron.data import load_prompts

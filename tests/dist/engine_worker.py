@@ -28,8 +28,8 @@ from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.phase.batches import logprob_gap
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-from common import Sample, to_batch  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
+from helpers import Sample, to_batch  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 9], [101, 7, 250], [42, 42, 8, 19, 3, 77], [300, 12]]
 
