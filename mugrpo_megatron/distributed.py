@@ -137,11 +137,25 @@ def timeout_explanation(timeout_minutes: float) -> str:
             f"was kept; run the same command again to resume.")
 
 
+def from_rank0(obj):
+    """Rank 0's ``obj`` on every rank (a decision it took, a path it chose): the one way a value
+    goes from rank 0 to the others. Collective: one ``broadcast_object_list`` (a pickle of
+    ``obj``: for small values, never a phase's data); nothing when the world has one rank."""
+    _, size = world()
+    if size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def on_rank0(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` on rank 0 only; collective: if it raises, every rank raises (rank 0
-    the original error, the others a ``RemoteFailure`` with its message), so that no rank is left
-    waiting in the collective that follows. Returns rank 0's result (None elsewhere)."""
+    """``fn(*args, **kwargs)`` on rank 0 only, and its result on every rank (``from_rank0``).
+    Collective: if it raises, every rank raises (rank 0 the original error, the others a
+    ``RemoteFailure`` with its message), so that no rank is left waiting in the collective that
+    follows."""
     rank, _ = world()
+    result = None
     if rank == 0:
         try:
             result = fn(*args, **kwargs)
@@ -149,11 +163,9 @@ def on_rank0(fn, *args, **kwargs):
             agree(f"{type(e).__name__}: {e}")
             raise
         agree("")
-        return result
-    error = agree("")
-    if error:
+    elif error := agree(""):
         raise RemoteFailure(f"rank 0 failed: {error}")
-    return None
+    return from_rank0(result)
 
 
 class RemoteFailure(RuntimeError):

@@ -165,9 +165,7 @@ def agree(cfg: Config, start: str) -> str:
                 d.rmdir()
     else:
         token_seen = None
-    box = [token_seen]
-    dist.broadcast_object_list(box, src=0)
-    blind = [r for r, ok in enumerate(box[0]) if not ok]
+    blind = [r for r, ok in enumerate(distributed.from_rank0(token_seen)) if not ok]
     if blind:
         r = blind[0]
         raise ValueError(

@@ -98,14 +98,7 @@ def open_prompt_set(cfg: Config, run_dir: Path, tokenizer: Tokenizer,
             write_prompt_file(cfg, tokenizer, path, done, bar)
         return str(path)
 
-    on_rank0(build)
-    if world()[1] > 1:  # rank 0's path (its key) to every rank
-        import torch.distributed as dist
-
-        box = [str(path)]
-        dist.broadcast_object_list(box, src=0)
-        path = Path(box[0])
-    return PromptSet(path)
+    return PromptSet(Path(on_rank0(build)))  # rank 0's path (its key) on every rank
 
 
 def write_prompt_file(cfg: Config, tokenizer: Tokenizer, path: Path, done: Path, bar=None,

@@ -38,15 +38,29 @@ def padded_batch(rows: Sequence[tuple[Sequence[int], Sequence[int], Sequence[flo
 
 @dataclass(frozen=True)
 class LogprobGap:
-    """Train/inference mismatch: |learner log-prob - engine log-prob| over response tokens."""
+    """|learner log-prob - the batch's behaviour log-prob| over response tokens: the
+    train/inference mismatch (the engine's log-probs), or two learner paths against each other.
+    Gaps of several batches add up (``+``) to the gap over all their tokens."""
 
-    mean: float
-    max: float
-    num_tokens: int
+    total: float = 0.0
+    """Sum of the differences."""
+    max: float = 0.0
+    num_tokens: int = 0
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.num_tokens if self.num_tokens else 0.0
+
+    def __add__(self, other: LogprobGap) -> LogprobGap:
+        return LogprobGap(self.total + other.total, max(self.max, other.max),
+                          self.num_tokens + other.num_tokens)
 
 
-def logprob_gap(learner_logp: torch.Tensor, batch: TrainBatch) -> LogprobGap:
-    diff = (learner_logp - batch.behav_logp).abs()[batch.response_mask]
+def logprob_gap(learner_logp: torch.Tensor, batch: TrainBatch, rows: int | None = None
+                ) -> LogprobGap:
+    """The gap over the response tokens of the batch's first ``rows`` rows (default: all)."""
+    n = batch.size if rows is None else rows
+    diff = (learner_logp[:n] - batch.behav_logp[:n]).abs()[batch.response_mask[:n]]
     if diff.numel() == 0:
-        return LogprobGap(0.0, 0.0, 0)
-    return LogprobGap(float(diff.mean()), float(diff.max()), int(diff.numel()))
+        return LogprobGap()
+    return LogprobGap(float(diff.double().sum()), float(diff.max()), int(diff.numel()))

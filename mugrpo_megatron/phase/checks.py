@@ -93,7 +93,7 @@ def score_behaviour(learner, data: PhaseData, chunk: int, pad_id: int, write: bo
     n, dp = data.num_samples, learner.layout.dp_size
     chunk = max(dp, chunk // dp * dp)
     writer = LearnerLogprobWriter(data.directory, n) if write else None
-    gap_sum, gap_max, tokens = 0.0, 0.0, 0
+    gap = LogprobGap()
     explain = (f"writing the learner's behaviour log-probs into {data.directory} failed ({{}}). "
                f"Kept: the phase's shards and index; resume by running again.").format
     with distributed.agreed(RunFailed, explain) as failure:
@@ -102,10 +102,8 @@ def score_behaviour(learner, data: PhaseData, chunk: int, pad_id: int, write: bo
             padded = np.concatenate([rows, np.full(-len(rows) % dp, rows[-1])])  # DP splits it
             batch = data.batch(padded, pad_id, engine_logprobs=True)
             logp, _ = learner.logprobs(batch)
-            mask = batch.response_mask[:len(rows)]
-            gap = (logp[:len(rows)] - batch.behav_logp[:len(rows)]).abs()[mask]
-            gap_sum, tokens = gap_sum + float(gap.sum()), tokens + int(gap.numel())
-            gap_max = max(gap_max, float(gap.max()) if gap.numel() else 0.0)
+            gap = gap + logprob_gap(logp, batch, rows=len(rows))
+            mask = batch.response_mask
             if writer is not None and not failure.error:
                 with failure.kept():  # the writer keeps scoring in step with the others
                     writer.add([logp[k][mask[k]].numpy() for k in range(len(rows))])
@@ -115,4 +113,4 @@ def score_behaviour(learner, data: PhaseData, chunk: int, pad_id: int, write: bo
         if writer is not None and failure.error:
             writer.abort()
     return {"behaviour_seconds": time.perf_counter() - t0,
-            "behaviour_gap_mean": gap_sum / max(tokens, 1), "behaviour_gap_max": gap_max}
+            "behaviour_gap_mean": gap.mean, "behaviour_gap_max": gap.max}
