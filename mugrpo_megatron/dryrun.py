@@ -1,5 +1,6 @@
-"""``train --dry-run``: validate a config for a world size and estimate per-GPU memory at every
-transition of a phase, no GPU needed.
+"""``plan`` and ``train --dry-run``: what a config does at a world size, no GPU needed. ``plan``
+validates the layout and states the schedule; the dry run also estimates per-GPU memory at every
+transition of a phase.
 
 The estimate is arithmetic on the architecture (from the checkpoint's ``config.json``). What one
 rank holds:
@@ -244,3 +245,16 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
                          "rollout.gpu_memory_utilization or rollout.tensor_parallel")
     lines.append("fits: yes")
     return "\n".join(lines)
+
+
+def plan(cfg: Config, world_size: int, gpus_per_node: int | None = None) -> str:
+    """The ``plan`` command: the layout (checked) and the schedule in words."""
+    layout = check_layout(cfg, world_size, gpus_per_node)
+    a = cfg.algo
+    veto = ("off" if a.veto_threshold is None
+            else f"below {a.veto_threshold:g}, scope {a.veto_scope}")
+    return "\n".join([
+        f"world size {world_size}: TP {cfg.parallel.tensor} x PP {cfg.parallel.pipeline} x DP "
+        f"{layout.data_parallel}; {layout.placement.describe()}",
+        f"schedule: {describe_schedule(cfg)}",
+        f"clip ratio to [{1 - a.clip_low:g}, {1 + a.clip_high:g}]; veto {veto}"])

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mugrpo_megatron import distributed, run_dir
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.config.loader import to_dict
 from mugrpo_megatron.data import load_prompts
@@ -31,7 +32,7 @@ from mugrpo_megatron.learner.checkpoint import load_learner, prune, save_learner
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.metrics import MetricsLogger
-from mugrpo_megatron.outputs import RunFailed
+from mugrpo_megatron.outputs import DiskFull, RunFailed
 from mugrpo_megatron.phase.batches import LogprobGap
 from mugrpo_megatron.phase.checks import check_packing, mismatch_gap, score_behaviour
 from mugrpo_megatron.phase.generation import GenerationFailed, generate_phase
@@ -39,7 +40,6 @@ from mugrpo_megatron.phase.schedule import Phase, PhaseScheduler
 from mugrpo_megatron.phase.store import PhaseData, is_generated, phase_dir
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
-from mugrpo_megatron.run_dir import record_start
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Trainer:
         self.learner = Learner.from_config(cfg)
         self.rank0 = dist.get_rank() == 0
         # no rank looks into the run directory before it is this run's (a barrier)
-        on_rank0(record_start, cfg, start, dist.get_world_size())
+        on_rank0(run_dir.record_start, cfg, start, dist.get_world_size())
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(
@@ -418,3 +418,30 @@ class Trainer:
             f"uniform groups, generate {times.generate:.1f}s, sync {times.sync:.2f}s, "
             f"optimize {times.optimize:.1f}s"
             + (f", train/infer gap {gap.mean:.2e} (max {gap.max:.2e})" if gap else ""))
+
+
+def train(cfg: Config, start: str) -> int:
+    """The ``train`` command, once the layout and the run directory (``run_dir.check``, which
+    gave ``start``) are checked on every rank: the default group, the ranks' agreement on the
+    run directory before any model, engine or data, then the run. Returns the exit status; a
+    failure the user can act on is printed, not raised."""
+    distributed.init_default_group(cfg.parallel.timeout_minutes)
+    start = run_dir.agree(cfg, start)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, start)
+        trainer.run()
+    except (RunFailed, DiskFull, distributed.RemoteFailure) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as e:
+        if not distributed.is_collective_timeout(e):
+            raise
+        # said before the clean-up, which may itself wait on the rank that stopped answering
+        print(f"error: {distributed.timeout_explanation(cfg.parallel.timeout_minutes)}\n"
+              f"({type(e).__name__}: {str(e)[:500]})", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if trainer is not None:
+            trainer.close()
+    return 0

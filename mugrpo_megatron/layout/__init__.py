@@ -3,9 +3,11 @@
 - ``check_layout``: the learner's parallel sizes against the world size and the minibatch, where
   the rollout engines run (``placement``), and, given the model's ``ModelSpec``, the model
   (``check_model``: heads over TP, experts over EP, layers over the pipeline stages, sequence
-  parallel for a mixture of experts at TP > 1, FP8's GEMM shapes). ``train``, ``train --dry-run``,
-  ``plan`` and ``convert`` call it first, and the learner calls ``check_model`` before it builds:
-  one check, so a layout the dry run passes is one the learner builds.
+  parallel for a mixture of experts at TP > 1, FP8's GEMM shapes). ``train``, ``train --dry-run``
+  and ``plan`` call it first, ``convert`` calls its parts that apply to a conversion
+  (``check_conversion``: the world size and ``check_model``), and the learner calls
+  ``check_model`` before it builds: one check, so a layout the dry run passes is one the learner
+  builds.
 - ``Placement`` (``placement``): which ranks host an engine, which replica each rank belongs to
   and which rank leads it; the fleet, ``plan`` and the dry run read it instead of working it out.
 - ``shapes``: the pure rules of tensor shapes (rounding, FP8's GEMM shapes, the token multiple of
@@ -30,7 +32,7 @@ from mugrpo_megatron.layout.shapes import (
 )
 from mugrpo_megatron.models.hf_config import ModelSpec
 
-__all__ = ["JobLayout", "Placement", "check_layout", "check_model", "gemm_inputs_ok",
+__all__ = ["JobLayout", "Placement", "check_conversion", "check_layout", "check_model", "gemm_inputs_ok",
            "launcher_ranks_per_node", "pack_capacity", "placement", "round_up", "token_multiple"]
 
 
@@ -58,6 +60,19 @@ def check_layout(cfg: Config, world_size: int, ranks_per_node: int | None = None
     if spec is not None:
         check_model(spec, cfg.model, p)
     return JobLayout(dp, where)
+
+
+def check_conversion(spec: ModelSpec, model: ModelConfig, *, tp: int, pp: int, ep: int,
+                     world_size: int) -> ParallelConfig:
+    """The layout ``convert`` builds ``model`` in: TP x PP x EP over ``world_size`` ranks, checked
+    as ``check_layout`` checks a run's (the world size, then ``check_model``). A mixture of
+    experts at TP > 1 gets sequence parallel, which megatron-core needs for it and which changes
+    no weight; no optimizer, so no distributed optimizer."""
+    parallel = ParallelConfig(tensor=tp, pipeline=pp, expert=ep,
+                              sequence_parallel=spec.is_moe and tp > 1, distributed_optimizer=False)
+    parallel.data_parallel(world_size)
+    check_model(spec, model, parallel)
+    return parallel
 
 
 def check_model(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -> None:

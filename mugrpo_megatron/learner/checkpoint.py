@@ -42,12 +42,12 @@ from mugrpo_megatron import outputs
 from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.learner.compat_dcp import verify_checkpoint
 from mugrpo_megatron.learner.export import copy_tokenizer
+from mugrpo_megatron.models.hf_config import HF_CONFIG_DIR
 
 OPTIMIZER_FORMAT = "fully_sharded_model_space"
 """The distributed optimizer's checkpoint layout for new saves (see the module docstring)."""
 _LEGACY_FORMAT = "fully_reshardable"
 """What checkpoints without an 'optimizer_format' in state.json were saved in."""
-HF_CONFIG_DIR = "hf_config"
 """The HF config and tokenizer files kept inside a checkpoint."""
 STATE_FILE = "state.json"
 """Counters, LR schedule and flags; written last, so its presence marks a complete checkpoint."""

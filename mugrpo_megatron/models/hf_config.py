@@ -30,6 +30,9 @@ def _mixtral_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
                 moe_ffn_hidden_size=int(cfg["intermediate_size"]), router_pre_softmax=False)
 
 
+HF_CONFIG_DIR = "hf_config"
+"""Where a Megatron checkpoint of ours keeps the HF config and tokenizer files it was made from,
+so that it knows its architecture (``convert --to hf``, ``eval`` of a checkpoint)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
                    "generation_config.json")

@@ -149,3 +149,23 @@ def show(run_dir: Path, phase: int, k: int, tokenizer=None) -> str:
                 text.append("[prompt] " + tokenizer.decode(r["prompt_ids"]))
                 text.append("[response] " + tokenizer.decode(r["response_ids"]))
     return "\n".join(text)
+
+
+def show_run(run_dir: Path, phase: int | None, k: int, ids: bool) -> str:
+    """The ``rollouts`` command: ``show`` of phase ``phase`` (default: the newest on disk) of
+    the run in ``run_dir``, decoded with the run's tokenizer unless ``ids``."""
+    if not (run_dir / "rollouts").is_dir():
+        raise ValueError(f"{run_dir}: not a run directory with rollouts (no rollouts/ in it)")
+    if phase is None:
+        phase = max(int(p.name.split("_")[1]) for p in (run_dir / "rollouts").glob("phase_*"))
+    phase_files(run_dir, phase)  # a missing phase is named before the tokenizer loads
+    tokenizer = None
+    if not ids:
+        from transformers import AutoTokenizer
+
+        from mugrpo_megatron.config.loader import load_config
+
+        cfg = load_config(str(run_dir / "config.yaml"), [])
+        tokenizer = AutoTokenizer.from_pretrained(
+            cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    return show(run_dir, phase, k, tokenizer)
