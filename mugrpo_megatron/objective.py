@@ -12,7 +12,7 @@ import math
 
 import torch
 
-VETO_SCOPES: tuple[str, ...] = ("none", "trigger", "suffix", "suffix_no_trigger", "sequence")
+VETO_SCOPES: tuple[str, ...] = ("none", "trigger", "suffix", "suffix_no_trigger", "sequence", "prefix")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -55,6 +55,7 @@ def veto_mask(
     response_mask: torch.Tensor,
     threshold: float,
     scope: str = "suffix",
+    prefix_bound: float | None = None,
 ) -> torch.Tensor:
     """Which tokens stay in the loss under the negative-advantage veto.
 
@@ -66,7 +67,13 @@ def veto_mask(
     - ``"trigger"``: mask every trigger token (the paper's T);
     - ``"suffix"``: mask the response tokens strictly after kappa (S_kappa, the default);
     - ``"suffix_no_trigger"``: mask S_kappa minus the trigger tokens (H_kappa);
-    - ``"sequence"``: mask the whole response once it has a trigger (S_seq).
+    - ``"sequence"``: mask the whole response once it has a trigger (S_seq);
+    - ``"prefix"``: a trust region on the prefix ratio: kappa is the first response token at
+      which the running sum of log-ratios (the log of the prefix's ratio, pi_theta / pi_behav of
+      the whole response so far) falls below ``-prefix_bound``, and the tokens strictly after it
+      are masked. The paper's prefix-support argument (every later token's context has that
+      small a ratio) without a single-token trigger: many moderately unlikely tokens cross it as
+      one very unlikely token does; ``threshold`` is not used.
 
     Returns bool ``[B, T]``: True where the token stays. Tokens outside ``response_mask`` are False.
     """
@@ -74,10 +81,19 @@ def veto_mask(
         raise ValueError(f"veto scope must be one of {VETO_SCOPES}, got {scope!r}")
     if not threshold > 0:
         raise ValueError(f"veto threshold must be > 0, got {threshold}")
+    if scope == "prefix" and not (prefix_bound is not None and prefix_bound > 0):
+        raise ValueError(f"veto scope 'prefix' needs a prefix bound > 0, got {prefix_bound}")
     response_bt = response_mask.bool()
     if scope == "none":
         return response_bt.clone()
     negative_b1 = (advantages < 0).reshape(-1, 1)
+    if scope == "prefix":
+        prefix_bt = torch.cumsum(torch.where(response_bt, log_ratio.detach().double(),
+                                             torch.zeros((), dtype=torch.float64,
+                                                         device=log_ratio.device)), dim=1)
+        crossed_bt = response_bt & negative_b1 & (prefix_bt < -prefix_bound)
+        before_bt = torch.cumsum(crossed_bt.to(torch.int32), dim=1) - crossed_bt.to(torch.int32)
+        return response_bt & ~(before_bt > 0)
     trigger_bt = response_bt & negative_b1 & (log_ratio.detach() < math.log(threshold))
     triggers_before_bt = torch.cumsum(trigger_bt.to(torch.int32), dim=1) - trigger_bt.to(torch.int32)
     after_kappa_bt = triggers_before_bt > 0  # strictly after the first trigger
@@ -102,7 +118,9 @@ def policy_loss(
     clip_high: float,
     veto_threshold: float | None = None,
     veto_scope: str = "suffix",
+    veto_prefix_bound: float | None = None,
     num_tokens: int | torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped importance-sampled policy loss against stored behaviour log-probs, with the veto.
 
@@ -111,10 +129,15 @@ def policy_loss(
     The denominator is ``num_tokens`` when given (the global count of response tokens of the whole
     minibatch, before the veto, so that any split across microbatches and DP ranks gives the same
     gradient), else the local count of ``response_mask``. Gradients flow only through ``logp``.
-    ``veto_threshold=None`` disables the veto. Relaxed clipping [0, 5] is clip_low=1, clip_high=4.
+    ``veto_threshold=None`` disables the veto (``veto_prefix_bound`` is the bound of scope
+    'prefix'). Relaxed clipping [0, 5] is clip_low=1, clip_high=4. ``entropy`` ``[B, T]``, when
+    given, is the policy's entropy at each position (no gradient), reported as ``entropy_mean``
+    over the response tokens.
 
     Metrics (0-dim detached float tensors): the means listed below over this call's tokens, and the
-    ``num_*`` counts they were taken over, so that callers can combine microbatches exactly.
+    ``num_*`` counts they were taken over, so that callers can combine microbatches exactly. A
+    mean over no token (no A < 0 token in the call, say) is 0 here with a count of 0;
+    ``metrics_from_sums`` leaves it out.
     """
     response_bt = response_mask.bool()
     adv_b1 = advantages.detach().reshape(-1, 1).to(logp.dtype)
@@ -127,7 +150,7 @@ def policy_loss(
         keep_bt = response_bt
     else:
         keep_bt = veto_mask(log_ratio_bt.detach(), adv_b1.squeeze(1), response_bt, veto_threshold,
-                            veto_scope)
+                            veto_scope, veto_prefix_bound)
 
     rho_clipped_bt = torch.clamp(rho_bt, 1.0 - clip_low, 1.0 + clip_high)
     surr_bt = rho_bt * adv_b1
@@ -158,6 +181,8 @@ def policy_loss(
             "veto_response_frac": _safe_div(vetoed_responses, num_neg_responses),
             "rho_neg_mean": _safe_div((rho_bt * neg_bt).sum(), num_neg),
             "rho_neg_kept_mean": _safe_div((rho_bt * neg_kept_bt).sum(), num_neg_kept),
+            "log_rho_neg_mean": _safe_div((log_ratio_bt * neg_bt).sum(), num_neg),
+            "rho_neg_below_half_frac": _safe_div((neg_bt & (rho_bt < 0.5)).sum(), num_neg),
             "rho_mean": _safe_div((rho_bt * response_bt).sum(), num_local),
             "abs_log_ratio_mean": _safe_div(log_ratio_bt.abs().sum(), num_local),
             "abs_log_ratio_max": log_ratio_bt.abs().max() if logp.numel() else logp.new_zeros(()),
@@ -167,6 +192,9 @@ def policy_loss(
             "num_neg_kept_tokens": num_neg_kept.to(torch.float32),
             "num_neg_responses": num_neg_responses.to(torch.float32),
         }
+        if entropy is not None:
+            metrics["entropy_mean"] = _safe_div((entropy.detach() * response_bt).sum(), num_local)
+            metrics["num_entropy_tokens"] = num_local.to(torch.float32)
     return loss, {k: v.detach().to(torch.float32) for k, v in metrics.items()}
 
 
@@ -185,13 +213,17 @@ METRIC_WEIGHTS: dict[str, str] = {
     "veto_response_frac": "num_neg_responses",
     "rho_neg_mean": "num_neg_tokens",
     "rho_neg_kept_mean": "num_neg_kept_tokens",
+    "log_rho_neg_mean": "num_neg_tokens",
+    "rho_neg_below_half_frac": "num_neg_tokens",
     "rho_mean": "num_tokens",
     "abs_log_ratio_mean": "num_tokens",
+    "entropy_mean": "num_entropy_tokens",
 }
 
 
 METRIC_COUNTS: tuple[str, ...] = ("num_tokens", "num_kept_tokens", "num_neg_tokens",
-                                   "num_neg_kept_tokens", "num_neg_responses")
+                                   "num_neg_kept_tokens", "num_neg_responses",
+                                   "num_entropy_tokens")
 """The token and response counts of ``policy_loss``'s metrics, which the means are weighted by."""
 
 
@@ -206,10 +238,10 @@ def metric_sums(parts: list[dict[str, torch.Tensor]],
     if parts:
         device = parts[0]["num_tokens"].device
     out = torch.zeros(len(names), dtype=torch.float64, device=device)
-    zero = torch.zeros((), dtype=torch.float64, device=device)  # a part without a loss
+    zero = torch.zeros((), dtype=torch.float64, device=device)  # a part without a metric
     for p in parts:  # in order, so the sums are the same numbers whatever the device
-        out = out + torch.stack([p[c].double() for c in METRIC_COUNTS]
-                                + [p[n].double() * p[w].double()
+        out = out + torch.stack([p[c].double() if c in p else zero for c in METRIC_COUNTS]
+                                + [p[n].double() * p[w].double() if n in p else zero
                                    for n, w in METRIC_WEIGHTS.items()]
                                 + [p["loss"].double() if "loss" in p else zero])
     return out
@@ -219,12 +251,14 @@ def metrics_from_sums(sums: torch.Tensor | list[float], abs_log_ratio_max: float
                       ) -> dict[str, float]:
     """The metrics of the union of the parts summed in ``sums`` (see ``metric_sums``; a tensor, or
     its values already read), and the summed loss: every microbatch's loss is already divided by
-    the minibatch's token count."""
+    the minibatch's token count. A mean over nothing (its count is 0: no A < 0 token, no token
+    kept, no entropy computed) is left out, not given as 0."""
     sums = sums.tolist() if isinstance(sums, torch.Tensor) else list(sums)
     out = dict(zip(METRIC_COUNTS, sums))
     for j, (name, weight) in enumerate(METRIC_WEIGHTS.items()):
         den = out[weight]
-        out[name] = sums[len(METRIC_COUNTS) + j] / den if den else 0.0
+        if den:
+            out[name] = sums[len(METRIC_COUNTS) + j] / den
     out["loss"] = sums[-1]
     out["abs_log_ratio_max"] = abs_log_ratio_max
     return out

@@ -11,12 +11,18 @@ from pathlib import Path
 from mugrpo_megatron.metrics import read_metrics
 
 PLOTTED = [
-    ("reward", "reward (minibatch mean)"),
-    ("clip_frac", "clip fraction"),
-    ("veto_frac", "vetoed token fraction"),
-    ("rho_neg_mean", "E[rho | A < 0]"),
-    ("abs_log_ratio_mean", "|log pi_theta - log pi_behav| (mean)"),
+    (("reward",), "reward (minibatch mean)"),
+    (("grad_norm",), "gradient norm (before clipping)"),
+    (("clip_frac_low", "clip_frac_high"), "clipped token fraction: low, high"),
+    (("veto_frac", "veto_response_frac"), "vetoed: token fraction, A < 0 response fraction"),
+    (("rho_neg_mean",), "E[rho | A < 0]"),
+    (("log_rho_neg_mean",), "mean log rho over A < 0 tokens"),
+    (("rho_neg_below_half_frac",), "A < 0 tokens with rho < 0.5 (fraction)"),
+    (("abs_log_ratio_mean",), "|log pi_theta - log pi_behav| (mean): the drift"),
+    (("entropy_mean",), "policy entropy (mean over response tokens)"),
 ]
+"""The per-update curves: keys of an update record, one line each (a mean over no token is
+absent from its record and leaves a gap, not a 0)."""
 
 
 def write_report(run_dir: Path) -> Path:
@@ -37,14 +43,17 @@ def write_report(run_dir: Path) -> Path:
         lines.append("")
     if phases:
         lines += ["## Phases", "",
-                  "| phase | reward | uniform groups | gen s | sync s | switch s | optimize s | "
-                  "train/infer gap (mean / max) |", "|---|---|---|---|---|---|---|---|"]
+                  "| phase | updates (ended) | reward | uniform groups | unused | gen s | sync s | "
+                  "switch s | optimize s | train/infer gap (mean / max) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for p in phases:
             gap = (f"{p['logprob_gap_mean']:.2e} / {p['logprob_gap_max']:.2e}"
                    if "logprob_gap_mean" in p else "-")
-            lines.append(f"| {p['phase']} | {p['reward_mean']:.3f} | {p['uniform_groups']} | "
-                         f"{p['generate_seconds']:.1f} | {p['sync_seconds']:.2f} | "
-                         f"{p['switch_seconds']:.2f} | {p['optimize_seconds']:.1f} | {gap} |")
+            lines.append(f"| {p['phase']} | {p.get('updates', '-')} ({p.get('end', '-')}) | "
+                         f"{p['reward_mean']:.3f} | {p['uniform_groups']} | "
+                         f"{p.get('unused_frac', 0.0):.0%} | {p['generate_seconds']:.1f} | "
+                         f"{p['sync_seconds']:.2f} | {p['switch_seconds']:.2f} | "
+                         f"{p['optimize_seconds']:.1f} | {gap} |")
         tot = {k: sum(p[k] for p in phases) for k in
                ("generate_seconds", "score_seconds", "sync_seconds", "switch_seconds",
                 "optimize_seconds")}
@@ -73,9 +82,11 @@ def _plot(out_dir: Path, updates: list[dict], phases: list[dict]) -> list[Path]:
     fig, axes = plt.subplots(len(PLOTTED) + 1, 1, figsize=(8, 2.2 * (len(PLOTTED) + 1)),
                              sharex=True)
     xs = [r["update"] for r in updates]
-    for ax, (key, title) in zip(axes, PLOTTED):
-        ys = [r.get(key, math.nan) for r in updates]
-        ax.plot(xs, ys, lw=1)
+    for ax, (keys, title) in zip(axes, PLOTTED):
+        for key in keys:
+            ax.plot(xs, [r.get(key, math.nan) for r in updates], lw=1, label=key)
+        if len(keys) > 1:
+            ax.legend(fontsize=6)
         ax.set_title(title, fontsize=9)
         for p in phases:  # phase boundaries: where the behaviour policy is refreshed
             ax.axvline(p["update"], color="grey", lw=0.5, ls=":")

@@ -1,4 +1,5 @@
-"""The Mu-GRPO loop: for each phase, sync weights, generate, score, advantages once, then mu updates.
+"""The Mu-GRPO loop: for each phase, sync weights, generate, score, advantages once, then mu updates
+(or, with ``algo.max_drift``, updates until the policy has drifted that far).
 
 GRPO (mu = 4) and Mu-GRPO (mu = 1024) are configs of this one loop. Every rank runs the learner
 and drives the rollout engines collectively (``engines.fleet``: a tensor-parallel rank of a
@@ -13,10 +14,8 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,25 +32,25 @@ from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.metrics import MetricsLogger
 from mugrpo_megatron.outputs import DiskFull, RunFailed
-from mugrpo_megatron.phase.batches import LogprobGap
-from mugrpo_megatron.phase.checks import check_packing, mismatch_gap, score_behaviour
-from mugrpo_megatron.phase.generation import GenerationFailed, generate_phase
-from mugrpo_megatron.phase.schedule import Phase, PhaseScheduler
-from mugrpo_megatron.phase.store import PhaseData, is_generated, phase_dir
+from mugrpo_megatron.phase import (
+    DriftBound,
+    GenerationFailed,
+    Phase,
+    PhaseData,
+    PhaseEnd,
+    PhaseRecord,
+    PhaseScheduler,
+    ScheduleState,
+    check_packing,
+    generate_phase,
+    is_generated,
+    mismatch_gap,
+    phase_dir,
+    record_plan,
+    score_behaviour,
+)
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
-
-
-@dataclass
-class PhaseTimes:
-    sync: float = 0.0
-    """Resharding the learner's weights into the engine."""
-    switch: float = 0.0
-    """Engine sleep/wake and learner offload/onload."""
-    generate: float = 0.0
-    score: float = 0.0
-    optimize: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class Trainer:
@@ -106,13 +105,15 @@ class Trainer:
         self._packing_checked = False
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.start_update = 0
+        self.state = ScheduleState(ended=[], drift_window=[])
+        """The phases that ended and the running phase's drift window (``save`` keeps it)."""
         ckpt = None
         if cfg.checkpoint.resume and start == "resume":  # rank 0 checks; every rank loads its pick
-            ckpt = self._from_rank0(usable_checkpoint(self.ckpt_dir, self._warn)
-                                    if self.rank0 else None)
+            ckpt = on_rank0(usable_checkpoint, self.ckpt_dir, self._warn)
         if ckpt is not None:
             counters = load_learner(self.learner, ckpt)
             self.start_update = counters["update"]
+            self.state = ScheduleState.from_counters(counters, cfg.algo)
             self.progress.note(f"resumed from {ckpt} at update {self.start_update}")
         elif cfg.checkpoint.load_from:
             load_learner(self.learner, Path(cfg.checkpoint.load_from))
@@ -123,15 +124,9 @@ class Trainer:
         if self.start_update == 0:
             self.sync_weights()
             self.evaluate("before")
-        for phase in self.schedule.phases():
-            if phase.first_update + phase.num_updates <= self.start_update:
-                continue  # finished before a restart
-            times = PhaseTimes()
-            data = self.rollout(phase, times)
-            if self.cfg.algo.behaviour_logprobs == "learner":
-                self.behaviour_from_learner(phase, data, times)
-            self.optimize(phase, data, times)
-            data.close()
+        # phases are planned one at a time: with algo.max_drift, each from how the last ended
+        while (phase := self.schedule.plan(self.state.ended)) is not None:
+            self.run_phase(phase)
         self.sync_weights()
         self.evaluate("after")
         if self.cfg.checkpoint.export_hf:
@@ -145,40 +140,77 @@ class Trainer:
             path = write_report(self.run_dir)
             self.progress.note(f"report: {path}")
 
-    def rollout(self, phase: Phase, times: PhaseTimes) -> PhaseData:
+    def run_phase(self, phase: Phase) -> None:
+        """Generate (unless on disk), score the behaviour policy (``behaviour_logprobs:
+        learner``), check, optimize until the phase ends; its record in the phase log."""
+        rec = PhaseRecord(phase.index, phase.first_update, phase.planned_updates,
+                          uniform_policy=self.cfg.algo.uniform_groups)
+        data = self.rollout(phase, rec)
+        try:
+            if self.cfg.algo.behaviour_logprobs == "learner":
+                self.behaviour_from_learner(phase, data, rec)
+            self.check(data, rec)
+            self.optimize(phase, data, rec)
+        finally:
+            data.close()
+        self._log_phase(rec, data)
+
+    def rollout(self, phase: Phase, rec: PhaseRecord) -> PhaseData:
         """The phase's scored samples with advantages, opened from disk on every rank; generated
         first unless an earlier start finished generating this phase."""
         directory = phase_dir(self.run_dir, phase.index)
-        if not self._from_rank0(is_generated(directory) if self.rank0 else None):
-            times.sync = self.sync_weights()  # into the engine's weights, woken alone
-            with self.learner_offloaded(times):
+        if not on_rank0(self._plan_on_disk, directory, phase):
+            rec.sync_seconds = self.sync_weights()  # into the engine's weights, woken alone
+            with self.learner_offloaded(rec):
                 t0 = time.perf_counter()
                 self.engines.wake()  # the KV cache, now that the learner stepped aside
-                times.switch += time.perf_counter() - t0
-                self.generate(phase, directory, times)
+                rec.switch_seconds += time.perf_counter() - t0
+                self.generate(phase, directory, rec)
                 self.mark_memory("generate", phase.index)
                 t0 = time.perf_counter()
                 self.engines.sleep()
-                times.switch += time.perf_counter() - t0
-        return PhaseData(directory, drop_uniform=self.cfg.algo.uniform_groups != "keep")
+                rec.switch_seconds += time.perf_counter() - t0
+        layout = self.learner.layout
+        return PhaseData(directory, drop_uniform=self.cfg.algo.uniform_groups != "keep",
+                         pad_id=self.pad_id, dp_rank=layout.dp_rank, dp_size=layout.dp_size,
+                         micro_batch_size=self.cfg.parallel.micro_batch_size)
 
-    def behaviour_from_learner(self, phase: Phase, data: PhaseData, times: PhaseTimes) -> None:
+    @staticmethod
+    def _plan_on_disk(directory: Path, phase: Phase) -> bool:
+        """Rank 0: the phase's plan kept (or checked against the one an earlier start kept);
+        whether the phase is generated already."""
+        record_plan(directory, phase)
+        return is_generated(directory)
+
+    def behaviour_from_learner(self, phase: Phase, data: PhaseData, rec: PhaseRecord) -> None:
         """``algo.behaviour_logprobs: learner``: the learner scores every response of the phase
         before its first update (its weights are still the ones the engine sampled from); rank 0
         writes the log-probs beside the shards, and the phase's ratios divide by them. A resume
         finds them there (``phase.checks.score_behaviour``)."""
-        if not self._from_rank0(data.has_learner_logprobs() if self.rank0 else None):
+        if not on_rank0(data.has_learner_logprobs):
             if self.start_update > phase.first_update:
                 raise RunFailed(f"phase {phase.index}: the learner's behaviour log-probs are "
                                 f"missing in {data.directory}, and the learner has trained past "
                                 f"the phase's start, so they cannot be computed again")
-            times.extra.update(score_behaviour(
-                self.learner, data, self.cfg.algo.samples_per_update,
-                self.pad_id, write=self.rank0))
+            t0 = time.perf_counter()
+            rec.set_gap("behaviour_gap", score_behaviour(
+                self.learner, data, self.cfg.algo.samples_per_update, write=self.rank0))
+            rec.behaviour_seconds = time.perf_counter() - t0
         data.use_learner_logprobs()
 
+    def check(self, data: PhaseData, rec: PhaseRecord) -> None:
+        """A few of the engine's own samples scored by the learner: the train/inference gap
+        (rows spread over the phase, so every replica's copy of the weights is checked); and,
+        where the learner packs (``parallel.pack_tokens``), once a run, the packed path against
+        the padded one (``phase.checks.check_packing``)."""
+        rec.set_gap("logprob_gap", mismatch_gap(self.learner, data,
+                                                self.cfg.rollout.mismatch_check_samples))
+        if self.learner.pack_capacity and not self._packing_checked:
+            self._packing_checked = True
+            rec.set_gap("pack_check_gap", check_packing(self.learner, data, self.cfg))
+
     @contextmanager
-    def learner_offloaded(self, times: PhaseTimes | None = None):
+    def learner_offloaded(self, rec: PhaseRecord | None = None):
         """The learner's weights and optimizer state in host memory while the engine works
         (``parallel.offload_learner``); back on the device, bit for bit, afterwards."""
         if not self.offload:
@@ -198,10 +230,10 @@ class Trainer:
             raise RuntimeError("the learner would return to the device while the engine's KV "
                                "cache is awake: sleep the engine first")
         back = self.learner.onload()
-        if times is not None:
-            times.switch += out.seconds + back.seconds
-            times.extra.update(offload_seconds=out.seconds, onload_seconds=back.seconds,
-                               offload_gib=out.bytes_freed / 2**30)
+        if rec is not None:
+            rec.switch_seconds += out.seconds + back.seconds
+            rec.offload_seconds, rec.onload_seconds = out.seconds, back.seconds
+            rec.offload_gib = out.bytes_freed / 2**30
 
     def sync_weights(self) -> float:
         """Stream the learner's weights into the engine (collective); returns the seconds taken,
@@ -221,7 +253,7 @@ class Trainer:
         self._engine_has = self.learner.num_updates
         return time.perf_counter() - t0
 
-    def generate(self, phase: Phase, directory: Path, times: PhaseTimes) -> None:
+    def generate(self, phase: Phase, directory: Path, rec: PhaseRecord) -> None:
         """Every replica streams its share of the groups not yet on disk, its leader scores and
         writes shards as groups finish, and rank 0 indexes the phase (``generate_phase``)."""
         t0 = time.perf_counter()
@@ -232,95 +264,64 @@ class Trainer:
         except GenerationFailed as e:
             raise RunFailed(f"phase {phase.index}: generation failed ({e}). Kept: every shard "
                             f"written in {directory}; resume by running again.") from None
-        times.generate = time.perf_counter() - t0
-        times.score = counts.score_wait_seconds  # rank 0's leader, blocked on its reward pool
-        times.extra.update(counts.metrics(times.generate))
+        counts.record(rec, time.perf_counter() - t0)
         for message in counts.messages:
             self.progress.note(f"reward: {message}")
 
-    def optimize(self, phase: Phase, data: PhaseData, times: PhaseTimes) -> None:
-        """mu updates over the phase's samples; checkpoints; per-update and per-phase metrics."""
-        train = data.train_rows  # phase rows the updates draw from (uniform groups dropped?)
-        gap = self.mismatch_check(data)
-        packing = self.check_packing(data)
-        quantum = self.learner.layout.dp_size * self.cfg.parallel.micro_batch_size
-        size = self.schedule.update_size(len(train), self.cfg.algo.uniform_groups == "drop_once",
-                                         quantum) if len(train) else 0
-        used = 0  # samples the phase's updates take, all mu of them (resumed or not)
+    def optimize(self, phase: Phase, data: PhaseData, rec: PhaseRecord) -> None:
+        """The phase's updates, from where a resume left off, until it has run its mu updates or
+        the drift bound ends it (``algo.max_drift``); checkpoints; per-update metrics."""
+        drift = DriftBound(self.cfg.algo, self.state.drift_window)  # a resume's, or empty
         first = max(self.start_update, phase.first_update)
+        updates = data.updates(self.schedule, phase, first,
+                               once=self.cfg.algo.uniform_groups == "drop_once")
         bar = self.progress.bar(f"phase {phase.index} optimize",
-                                total=phase.first_update + phase.num_updates - first)
-        skipped, t_eval = 0, 0.0
+                                total=phase.first_update + phase.max_updates - first)
+        done, stop, t_eval, t_data = first - phase.first_update, False, 0.0, 0.0
         t_opt = time.perf_counter()
-        t_data = 0.0
-        for mb in (self.schedule.minibatches(phase, len(train), size) if len(train) else []):
-            rows = train[np.asarray(mb.sample_indices, dtype=np.int64)]
-            rows = rows[:len(rows) - len(rows) % quantum]
-            used += len(rows)
-            if mb.update < first:
-                continue
-            if not len(rows):
-                skipped += 1
+        while not stop:
+            t0 = time.perf_counter()
+            upd = next(updates, None)  # this rank's share of the update's rows, from the shards
+            t_data += time.perf_counter() - t0
+            if upd is None:
+                break
+            mb, done = upd.minibatch, upd.minibatch.step_in_phase + 1
+            if upd.batch is None:
+                rec.skipped_updates += 1
                 self._log_update(mb.update, {"skipped": True, "reason": "too few samples"})
                 bar.update(1)
                 continue
-            t0 = time.perf_counter()
-            # this rank reads its data-parallel share of the update's rows, and nothing else
-            batch = data.batch(rows[self.learner.dp_rows(len(rows))],
-                               self.pad_id)
-            t_data += time.perf_counter() - t0
-            step = self.learner.train_step(batch, dp_local=True)
-            skipped += step.skipped
-            n_tok = int(data.response_len[rows].sum())
-            self._log_update(mb.update, {
-                "phase": phase.index, "staleness": mb.step_in_phase, "epoch": mb.epoch,
-                "samples": len(rows),
-                "loss": step.loss, "grad_norm": step.grad_norm, "lr": step.lr,
-                "skipped": step.skipped, "reason": step.reason, "seconds": step.seconds,
-                "tokens_per_s": n_tok / step.seconds if step.seconds else 0.0,
-                "response_len": n_tok / len(rows), "reward": float(data.reward[rows].mean()),
-                **{k: v for k, v in step.metrics.items() if not k.startswith("num_")}})
-            if step.skipped:
-                self.progress.note(f"update {mb.update} skipped ({step.reason}); parameters and "
-                                   f"optimizer state untouched, nothing else lost")
+            step = self.learner.train_step(upd.batch, dp_local=True)
+            rec.skipped_updates += step.skipped
+            self._log_step(phase, mb, upd.rows, data, step)
             bar.update(1, loss=step.loss, veto=step.metrics.get("veto_frac", 0.0))
+            value = step.metrics.get("abs_log_ratio_mean")
+            stop = not step.skipped and value is not None and drift.observe(mb.step_in_phase, value)
+            self.state.drift_window = drift.window
             every = self.cfg.checkpoint.save_every_updates
-            phase_end = phase.first_update + phase.num_updates
-            if every and (mb.update + 1) % every == 0 and mb.update + 1 < phase_end:
+            if every and (mb.update + 1) % every == 0 and done < phase.max_updates and not stop:
                 self.save(mb.update + 1, phase.index)
             t_eval += self.evaluate_every(mb.update + 1)
         bar.close()
         self.mark_memory("optimize", phase.index)
-        times.optimize = time.perf_counter() - t_opt - t_eval  # the held-out curve is not training
-        times.extra["batch_read_seconds"] = t_data  # reading rows from the shards, in optimize
-        # the passes over what the updates drew from, as made (the uniform-group policy decides)
-        times.extra.update(passes=used / len(train) if len(train) else 0.0,
-                           uniform_policy=self.cfg.algo.uniform_groups)
-        if t_eval:
-            times.extra["eval_seconds"] = t_eval
-        self.save(phase.first_update + phase.num_updates, phase.index)
-        if packing is not None:
-            times.extra.update(pack_check_gap_mean=packing.mean, pack_check_gap_max=packing.max)
-        self._log_phase(phase, data, gap, times, skipped)
-
-    def mismatch_check(self, data: PhaseData):
-        """Score a few of the engine's own samples, read back from the shards, with the learner:
-        the train/inference gap. The rows are spread over the phase, so every replica's share
-        (and so every replica's copy of the weights) is checked."""
-        return mismatch_gap(self.learner, data, self.cfg.rollout.mismatch_check_samples,
-                            self.pad_id)
-
-    def check_packing(self, data: PhaseData) -> LogprobGap | None:
-        """Where the learner packs (``parallel.pack_tokens``), once a run, at its first mismatch
-        check: the packed path against the padded one (``phase.checks.check_packing``)."""
-        if not self.learner.pack_capacity or self._packing_checked:
-            return None
-        self._packing_checked = True
-        return check_packing(self.learner, data, self.cfg, self.pad_id)
+        rec.optimize_seconds = time.perf_counter() - t_opt - t_eval  # the held-out curve is not
+        rec.batch_read_seconds = t_data                              # training
+        rec.eval_seconds = t_eval or None
+        rec.updates, rec.end = done, "drift" if stop and done < phase.max_updates else "mu"
+        rec.drift = drift.drift if self.cfg.algo.max_drift is not None else None
+        rec.passes, rec.unused_frac = data.passes, data.unused_frac
+        rec.unused_generate_seconds = rec.generate_seconds * data.unused_frac
+        self.state.ended.append(PhaseEnd(phase.index, phase.first_update, done, rec.end,
+                                         phase.num_prompts))
+        self.state.drift_window = []
+        self.save(phase.first_update + done, phase.index)
 
     def save(self, update: int, phase: int) -> None:
+        """A checkpoint at ``update`` with the schedule's state (the phases that ended, the
+        running phase's drift window): a resume from it plans and ends phases as this start
+        does."""
         save_learner(self.learner, self.ckpt_dir / f"update_{update:07d}",
-                     {"update": update, "phase": phase})
+                     {"update": update, "phase": phase, "schedule": self.state.to_json()})
         self.mark_memory("save", phase)
         if self.rank0:
             prune(self.ckpt_dir, self.cfg.checkpoint.keep_last)
@@ -383,12 +384,6 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats()
         self.log.log("memory", self.learner.num_updates, values)
 
-    def _from_rank0(self, obj):
-        """Rank 0's ``obj`` on every rank (what it generated, or a decision it took)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def _warn(self, message: str) -> None:
         """Something the user must see whatever logging.progress says (rank 0): on stderr, and as
         an event in metrics.jsonl."""
@@ -399,25 +394,33 @@ class Trainer:
     def _log_update(self, update: int, values: dict) -> None:
         self.log.log("update", update, values)
 
-    def _log_phase(self, phase, data: PhaseData, gap, times: PhaseTimes, skipped) -> None:
+    def _log_step(self, phase: Phase, mb, rows, data: PhaseData, step) -> None:
+        """An update's record: its place in the phase, the learner's numbers, the data's."""
+        n_tok = int(data.response_len[rows].sum())
+        self._log_update(mb.update, {
+            "phase": phase.index, "staleness": mb.step_in_phase, "epoch": mb.epoch,
+            "samples": len(rows), "loss": step.loss, "grad_norm": step.grad_norm, "lr": step.lr,
+            "skipped": step.skipped, "reason": step.reason, "seconds": step.seconds,
+            "tokens_per_s": n_tok / step.seconds if step.seconds else 0.0,
+            "response_len": n_tok / len(rows), "reward": float(data.reward[rows].mean()),
+            **{k: v for k, v in step.metrics.items() if not k.startswith("num_")}})
+        if step.skipped:
+            self.progress.note(f"update {mb.update} skipped ({step.reason}); parameters and "
+                               f"optimizer state untouched, nothing else lost")
+
+    def _log_phase(self, rec: PhaseRecord, data: PhaseData) -> None:
         if not self.rank0:
             return
         stats = data.stats()
-        values = {
-            "phase": phase.index, "first_update": phase.first_update, **stats,
-            "engine_replicas": self.engines.num_replicas,
-            "skipped_updates": skipped, "sync_seconds": times.sync, "switch_seconds": times.switch,
-            "generate_seconds": times.generate, "score_seconds": times.score,
-            "optimize_seconds": times.optimize, **times.extra,
-        }
-        if gap is not None:
-            values.update(logprob_gap_mean=gap.mean, logprob_gap_max=gap.max)
-        self.log.log("phase", phase.first_update + phase.num_updates, values)
+        values = {**rec.values(), **stats, "engine_replicas": self.engines.num_replicas}
+        self.log.log("phase", rec.first_update + rec.updates, values)
+        gap = (f", train/infer gap {rec.logprob_gap_mean:.2e} (max {rec.logprob_gap_max:.2e})"
+               if rec.logprob_gap_mean is not None else "")
         self.progress.note(
-            f"phase {phase.index}: reward {stats['reward_mean']:.3f}, {stats['uniform_groups']} "
-            f"uniform groups, generate {times.generate:.1f}s, sync {times.sync:.2f}s, "
-            f"optimize {times.optimize:.1f}s"
-            + (f", train/infer gap {gap.mean:.2e} (max {gap.max:.2e})" if gap else ""))
+            f"phase {rec.phase}: {rec.updates} updates (ended: {rec.end}), reward "
+            f"{stats['reward_mean']:.3f}, {stats['uniform_groups']} uniform groups, generate "
+            f"{rec.generate_seconds:.1f}s, sync {rec.sync_seconds:.2f}s, optimize "
+            f"{rec.optimize_seconds:.1f}s{gap}")
 
 
 def train(cfg: Config, start: str) -> int:

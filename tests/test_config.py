@@ -51,7 +51,7 @@ def test_yaml_and_overrides(tmp_path):
     ("model.recompute=some", r"model\.recompute: must be one of \['none', 'selective', 'full'\]"),
     ("algo.clip_low=1.5", r"algo\.clip_low: must be in \[0, 1\].*got 1\.5"),
     ("algo.clip_high=high", r"algo\.clip_high: must be a number, got 'high'"),
-    ("algo.veto_scope=prefix", r"algo\.veto_scope: must be one of .*got 'prefix'"),
+    ("algo.veto_scope=prefixes", r"algo\.veto_scope: must be one of .*got 'prefixes'"),
     ("algo.veto_threshold=2", r"algo\.veto_threshold: must be in \(0, 1\) or null, got 2\.0"),
     ("algo.updates_per_phase=3", r"algo\.total_updates: must be a multiple of algo\.updates_per_phase"),
     ("rollout.group_size=0", r"rollout\.group_size: must be > 0, got 0"),
@@ -131,7 +131,7 @@ def test_checks_are_value_errors_also_for_direct_construction():
     from mugrpo_megatron.config import AlgoConfig
 
     with pytest.raises(ValueError, match=r"algo\.veto_scope: must be one of"):
-        AlgoConfig(veto_scope="prefix")
+        AlgoConfig(veto_scope="prefixes")
 
 
 def test_config_file_errors_name_the_file_and_line(tmp_path):

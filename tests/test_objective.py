@@ -31,13 +31,26 @@ def naive_group_advantages(rewards, group_size, eps=1e-6):
     return out
 
 
-def naive_keep(log_ratio, adv, resp, threshold, scope):
+PREFIX_BOUND = 6.0  # B of the prefix scope in these tests: crossed by a few wide log-ratios
+
+
+def naive_keep(log_ratio, adv, resp, threshold, scope, prefix_bound=PREFIX_BOUND):
     B, T = len(log_ratio), len(log_ratio[0])
     keep = [[bool(resp[b][t]) for t in range(T)] for b in range(B)]
     if scope == "none":
         return keep
     for b in range(B):
         if not adv[b] < 0:
+            continue
+        if scope == "prefix":  # the running sum of the response's log-ratios so far
+            running, crossed = 0.0, None
+            for t in range(T):
+                if resp[b][t]:
+                    if crossed is not None:
+                        keep[b][t] = False
+                    running += log_ratio[b][t]
+                    if crossed is None and running < -prefix_bound:
+                        crossed = t
             continue
         triggers = [t for t in range(T) if resp[b][t] and log_ratio[b][t] < math.log(threshold)]
         if not triggers:
@@ -114,13 +127,15 @@ def test_group_advantages_uniform_group_never_nan():
 @pytest.mark.parametrize("scope", VETO_SCOPES)
 @pytest.mark.parametrize("seed", range(5))
 def test_veto_mask_matches_naive(scope, seed):
-    logp, behav, adv, resp = random_batch(seed)
+    logp, behav, adv, resp = random_batch(seed, spread=7.0)  # triggers at 1e-4 in every batch
     log_ratio = logp - behav
-    got = veto_mask(log_ratio, adv, resp, 1e-4, scope)
+    got = veto_mask(log_ratio, adv, resp, 1e-4, scope, PREFIX_BOUND)
     want = naive_keep(log_ratio.tolist(), adv.tolist(), resp.tolist(), 1e-4, scope)
     assert got.dtype == torch.bool
     assert got.tolist() == want
     assert not (got & ~resp).any()
+    if scope != "none":  # the batch exercises the scope: some tokens of A < 0 responses leave
+        assert (resp & ~got).any()
 
 
 def test_veto_mask_semantics_by_hand():
@@ -138,6 +153,14 @@ def test_veto_mask_semantics_by_hand():
     for a in (1.0, 0.0):
         assert veto_mask(lr, torch.tensor([a]), resp, 1e-4, "sequence").tolist() == resp.tolist()
     with pytest.raises(ValueError, match="veto scope"):
+        veto_mask(lr, neg, resp, 1e-4, "prefixes")
+    # prefix: the running sum over the response is 0, -12, -11.9, -22.9, -22.7; it first falls
+    # below -15 at position 4, below -5 at position 2, never below -25 (the padding's -30 and
+    # -20 do not count)
+    assert veto_mask(lr, neg, resp, 1e-4, "prefix", 15.0).tolist() == [[F, T, T, T, T, F, F]]
+    assert veto_mask(lr, neg, resp, 1e-4, "prefix", 5.0).tolist() == [[F, T, T, F, F, F, F]]
+    assert veto_mask(lr, neg, resp, 1e-4, "prefix", 25.0).tolist() == resp.tolist()
+    with pytest.raises(ValueError, match="prefix bound"):
         veto_mask(lr, neg, resp, 1e-4, "prefix")
 
 
@@ -147,7 +170,8 @@ def test_veto_mask_semantics_by_hand():
 def test_policy_loss_matches_naive(scope, clip, seed):
     logp, behav, adv, resp = random_batch(seed + 10)
     loss, metrics = policy_loss(logp, behav, adv, resp, clip_low=clip[0], clip_high=clip[1],
-                                veto_threshold=1e-4, veto_scope=scope)
+                                veto_threshold=1e-4, veto_scope=scope,
+                                veto_prefix_bound=PREFIX_BOUND)
     want, clip_frac, keep = naive_loss(logp.tolist(), behav.tolist(), adv.tolist(), resp.tolist(),
                                        clip[0], clip[1], 1e-4, scope)
     assert loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
@@ -160,6 +184,18 @@ def test_policy_loss_matches_naive(scope, clip, seed):
     neg = resp & (adv < 0)[:, None]
     rho_neg = torch.exp((logp - behav)[neg]).mean().item()
     assert metrics["rho_neg_mean"].item() == pytest.approx(rho_neg, rel=1e-5)
+    # the drift numbers of A < 0 tokens, by a loop over them
+    neg_lr = [(lp - bh) for row_lp, row_bh, row_r, a in zip(logp.tolist(), behav.tolist(),
+                                                            resp.tolist(), adv.tolist())
+              for lp, bh, r in zip(row_lp, row_bh, row_r) if r and a < 0]
+    assert metrics["log_rho_neg_mean"].item() == pytest.approx(sum(neg_lr) / len(neg_lr),
+                                                               rel=1e-6)
+    below = sum(math.exp(x) < 0.5 for x in neg_lr) / len(neg_lr)
+    assert metrics["rho_neg_below_half_frac"].item() == pytest.approx(below, abs=1e-7)
+    negatives = [any(r) and a < 0 for row, r, a in zip(keep, resp.tolist(), adv.tolist())]
+    vetoed = [any(r and not k for k, r in zip(krow, rrow)) for krow, rrow in zip(keep, resp.tolist())]
+    want_vetoed = sum(v and n for v, n in zip(vetoed, negatives)) / sum(negatives)
+    assert metrics["veto_response_frac"].item() == pytest.approx(want_vetoed, abs=1e-7)
 
 
 def test_policy_loss_no_veto_and_clip_triggers():
@@ -225,7 +261,25 @@ def test_microbatch_split_with_global_num_tokens_reproduces_full_batch(scope):
     reduced = metrics_from_sums(rank_sums, peak)
     assert reduced == pytest.approx({**combine_metrics(parts)}, rel=1e-12)
     assert reduced["loss"] == pytest.approx(loss_full.item(), rel=1e-12)
-    assert metrics_from_sums(metric_sums([]), 0.0)["clip_frac"] == 0.0  # a rank without the loss
+    # a rank without the loss: its counts are 0, and a mean over nothing is absent, not 0
+    alone = metrics_from_sums(metric_sums([]), 0.0)
+    assert alone["num_tokens"] == 0.0 and not set(METRIC_WEIGHTS) & set(alone)
+
+
+def test_a_mean_over_nothing_is_absent_and_entropy_is_reported():
+    """An update without an A < 0 token has no E[rho | A < 0] (nor any other mean over A < 0
+    tokens): absent, not 0; the entropy a caller gives is averaged over the response tokens."""
+    logp, behav, adv, resp = random_batch(8)
+    entropy = torch.rand(logp.shape, dtype=torch.float64)
+    _, m = policy_loss(logp, behav, adv.abs() + 0.1, resp, clip_low=1.0, clip_high=4.0,
+                       veto_threshold=1e-4, entropy=entropy)
+    got = combine_metrics([m])
+    for name in ("rho_neg_mean", "rho_neg_kept_mean", "log_rho_neg_mean",
+                 "rho_neg_below_half_frac", "veto_response_frac"):
+        assert name not in got, name
+    assert got["entropy_mean"] == pytest.approx(entropy[resp].mean().item(), rel=1e-6)
+    assert "entropy_mean" not in combine_metrics([policy_loss(
+        logp, behav, adv, resp, clip_low=1.0, clip_high=4.0)[1]])
 
 
 def test_relaxed_clip_bounds():
@@ -251,8 +305,9 @@ def test_metric_sums_are_the_numbers_read_one_by_one():
         parts.append({**m, "loss": loss.detach()})
     one_by_one = torch.zeros(len(METRIC_COUNTS) + len(METRIC_WEIGHTS) + 1, dtype=torch.float64)
     for p in parts:  # the old reads: a float() per value
-        one_by_one += torch.tensor([float(p[c]) for c in METRIC_COUNTS]
-                                   + [float(p[n]) * float(p[w]) for n, w in METRIC_WEIGHTS.items()]
+        one_by_one += torch.tensor([float(p.get(c, 0.0)) for c in METRIC_COUNTS]
+                                   + [float(p[n]) * float(p[w]) if n in p else 0.0
+                                      for n, w in METRIC_WEIGHTS.items()]
                                    + [float(p["loss"])], dtype=torch.float64)
     assert torch.equal(metric_sums(parts), one_by_one)
     got = metrics_from_sums(metric_sums(parts).tolist(), 0.5)

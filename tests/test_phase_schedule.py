@@ -21,7 +21,7 @@ def test_grpo_and_mu_grpo_are_two_settings():
     assert grpo.num_phases == 1024 and mu.num_phases == 4
     phases = list(mu.phases())
     assert [p.first_update for p in phases] == [0, 1024, 2048, 3072]
-    assert all(p.num_updates == 1024 for p in phases)
+    assert all(p.max_updates == p.planned_updates == 1024 for p in phases)
     # GRPO mu=4 with 64 prompts x 8 = 512 samples and 128 per update: exactly one epoch per phase
     mbs = list(grpo.minibatches(grpo.phase(0), 512))
     assert [m.epoch for m in mbs] == [0, 0, 0, 0]
@@ -97,3 +97,89 @@ def test_bad_arguments():
         make(4, samples_per_update=10_000)
     with pytest.raises(ValueError, match="empty"):
         make(4, num_prompts=0)
+
+
+def drifting_run(s, drift_of_step, updates_of_phase=None):
+    """Plan and run phases as the trainer does, with a drift at each step given by
+    ``drift_of_step(phase, step)``; the ended phases and the phases planned."""
+    from mugrpo_megatron.phase.schedule import DriftBound, PhaseEnd
+
+    ended, planned = [], []
+    while (phase := s.plan(ended)) is not None:
+        planned.append(phase)
+        bound, done, stop = DriftBound(s.algo), 0, False
+        for mb in s.minibatches(phase, 4096):
+            done = mb.step_in_phase + 1
+            if bound.observe(mb.step_in_phase, drift_of_step(phase.index, mb.step_in_phase)):
+                stop = True
+                break
+        end = "drift" if stop and done < phase.max_updates else "mu"
+        ended.append(PhaseEnd(phase.index, phase.first_update, done, end, phase.num_prompts))
+    return ended, planned
+
+
+def test_drift_bound_ends_phases_and_the_updates_add_up():
+    """algo.max_drift: a phase ends once the mean of the last drift_window updates' |log rho|
+    reaches the bound, after min_phase_updates; the next starts where it ended and generates for
+    the updates the recent phases ran (prompts_per_phase / mu an update); the run makes exactly
+    total_updates updates, in as many phases as it takes."""
+    s = make(64, prompts_per_phase=256, samples_per_update=32, total_updates=256,
+             max_drift=0.049, drift_window=4, min_phase_updates=8)
+    # drift grows linearly within a phase, 0.004 an update: the window's mean first reaches
+    # 0.049 when the window ends at step 14 (0.044 .. 0.056, mean 0.05; at step 13, 0.046)
+    ended, planned = drifting_run(s, lambda phase, step: 0.004 * step)
+    assert sum(e.updates for e in ended) == 256
+    assert [e.updates for e in ended[:-1]] == [15] * (len(ended) - 1)
+    assert all(e.end == "drift" for e in ended[:-1]) and ended[-1].updates <= 15
+    assert [p.first_update for p in planned] == [15 * i for i in range(len(planned))]
+    # the first phase generates for mu updates, the next for the 15 a phase ran
+    assert planned[0].planned_updates == 64 and planned[0].num_prompts == 256
+    assert all(p.planned_updates == 15 and p.num_prompts == 60 for p in planned[1:-1])
+    assert planned[-1].max_updates == 256 - 15 * (len(planned) - 1)
+    starts = [p.prompt_start for p in planned]
+    assert starts == [sum(p.num_prompts for p in planned[:i]) for i in range(len(planned))]
+    # min_phase_updates holds however early the bound is crossed
+    ended, _ = drifting_run(s, lambda phase, step: 1.0)
+    assert [e.updates for e in ended] == [8] * 32 and ended[0].end == "drift"
+
+
+def test_a_bound_never_reached_changes_nothing():
+    """GRPO mu=4 (and Mu-GRPO) with the bound set behave as without it while the drift stays
+    under it: the same phases, prompts and minibatches; a bound crossed at a phase's last
+    update ends it as mu would ('mu')."""
+    plain = make(4, prompts_per_phase=16, samples_per_update=32, total_updates=64)
+    bounded = make(4, prompts_per_phase=16, samples_per_update=32, total_updates=64,
+                   max_drift=0.5, min_phase_updates=4)
+    ended, planned = drifting_run(bounded, lambda phase, step: 0.1)
+    assert planned == list(plain.phases()) and all(e.end == "mu" for e in ended)
+    ended, planned = drifting_run(bounded, lambda phase, step: 1.0)  # crossed at step 3 of 4
+    assert planned == list(plain.phases()) and all(e.end == "mu" for e in ended)
+    assert [m.sample_indices for m in bounded.minibatches(planned[3], 128)] == \
+        [m.sample_indices for m in plain.minibatches(plain.phase(3), 128)]
+
+
+def test_schedule_state_round_trips_and_reads_old_checkpoints():
+    """What a checkpoint keeps of the schedule comes back as it was (JSON), and a checkpoint
+    saved before drift-bounded schedules (counters without 'schedule') reads as the fixed
+    schedule's phases up to its update."""
+    import json
+
+    from mugrpo_megatron.phase.schedule import PhaseEnd, ScheduleState
+
+    s = make(64, prompts_per_phase=256, samples_per_update=32, total_updates=256, max_drift=0.05)
+    state = ScheduleState([PhaseEnd(0, 0, 15, "drift", 256)], [0.01, 0.02])
+    back = ScheduleState.from_counters(json.loads(json.dumps({"update": 20, "schedule":
+                                                              state.to_json()})), s.algo)
+    assert back == state
+    old = ScheduleState.from_counters({"update": 130, "phase": 2}, s.algo)
+    assert old.ended == [PhaseEnd(0, 0, 64, "mu", 256), PhaseEnd(1, 64, 64, "mu", 256)]
+    assert s.plan(old.ended) == s.phase(2)
+
+
+def test_drift_settings_are_checked():
+    with pytest.raises(ValueError, match=r"algo\.max_drift: must be > 0"):
+        make(64, prompts_per_phase=256, max_drift=0.0)
+    with pytest.raises(ValueError, match=r"algo\.min_phase_updates: must be at most"):
+        make(4, max_drift=0.1, min_phase_updates=8)
+    with pytest.raises(ValueError, match=r"algo\.drift_window: must be > 0"):
+        make(4, drift_window=0)

@@ -86,7 +86,7 @@ def test_index_and_rows_equal_a_naive_reference(tmp_path):
     assert stats["response_tokens"] == sum(len(s.response_ids) for s in samples)
     assert stats["truncated_frac"] == sum(s.finish_reason == "length" for s in samples) / 120
     rows = np.array([5, 0, 119, 33, 64, 64])
-    got = data.batch(rows, pad_id=0, multiple_of=4)
+    got = data.batch(rows, multiple_of=4)
     from dataclasses import replace
     want = to_batch([replace(samples[i], advantage=float(data.advantage[i])) for i in rows],
                     pad_id=0, multiple_of=4)

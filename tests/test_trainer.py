@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +145,20 @@ def test_two_phases_end_to_end_at_tp2(setup):
         assert p["passes"] == took / 32 == 1.5, p
     assert any(abs(u["loss"]) > 1e-6 for u in updates)
     assert [u["staleness"] for u in updates] == [0, 1, 2] * 3
+    assert [(p["updates"], p["end"], p["planned_updates"]) for p in phases] == [(3, "mu", 3)] * 3
+    assert all(p["unused_frac"] == 0.0 for p in phases)  # 1.5 passes draw every sample
+    # the numbers that show drift, in every update's record: a mean over A < 0 tokens only
+    # where the update has some, never as a 0 standing in for nothing
+    for u in updates:
+        for key in ("grad_norm", "clip_frac_low", "clip_frac_high", "abs_log_ratio_mean",
+                    "entropy_mean"):
+            assert key in u, (key, u)
+        assert 0 < u["entropy_mean"] < 6.0, u  # nats; log(vocab 380) = 5.9 bounds it
+        negatives = [k for k in ("rho_neg_mean", "log_rho_neg_mean", "rho_neg_below_half_frac",
+                                 "veto_response_frac") if k in u]
+        assert negatives in ([], ["rho_neg_mean", "log_rho_neg_mean", "rho_neg_below_half_frac",
+                                  "veto_response_frac"]), u
+    assert any("log_rho_neg_mean" in u for u in updates)
     assert {r["label"] for r in recs if r["kind"] == "eval"} == {"before", "after"}
     report = (ref / "report.md").read_text()
     assert all(re.search(rf"^\| {i} \| ", report, re.M) for i in range(3)), report
@@ -291,6 +306,59 @@ def test_sigkill_mid_optimization_then_resume(setup):
     run_to_end(hf, run)
     assert final1.stat().st_mtime_ns == generated_at, "phase 1 was generated again"
     assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
+
+
+# A drift bound this tiny run crosses at once: update 0 of a phase has the fp32 gap (~1e-7), the
+# next the drift of one update at lr 1e-3 (~1e-2), so the mean of two reaches 1e-3 at the second
+# update of every phase. Checkpoints after every update, for the kills below.
+DRIFT = {"algo.max_drift": 1e-3, "algo.drift_window": 2, "algo.min_phase_updates": 2,
+         "checkpoint.save_every_updates": 1}
+
+
+def phase_ends(run_dir):
+    """(first update, updates, end) of each phase; after a resume the last record counts."""
+    return sorted({r["phase"]: (r["first_update"], r["updates"], r["end"])
+                   for r in records(run_dir) if r["kind"] == "phase"}.values())
+
+
+def test_drift_bound_ends_phases_and_resumes_where_it_ended(setup):
+    """algo.max_drift: phases end once the drift crosses the bound, the phase records say how
+    many updates each ran and why it ended, the later phases generate for that many updates,
+    and the updates add up to the run's 9. Killed right after an early phase end (its record and
+    checkpoint on disk), and killed mid-phase (a checkpoint whose drift window the resume must
+    carry on), the run resumes with the same phase boundaries and losses, and nothing persisted
+    is generated again."""
+    d, hf, _ = setup
+    ref = d / "drift"
+    run_to_end(hf, ref, {**DRIFT, **PHASE_END_SAVES})
+    ends = phase_ends(ref)  # the last phase has 1 update left: it runs it and ends as mu would
+    assert ends == [(0, 2, "drift"), (2, 2, "drift"), (4, 2, "drift"), (6, 2, "drift"),
+                    (8, 1, "mu")], ends
+    phases = [r for r in records(ref) if r["kind"] == "phase"]
+    assert phases[0]["planned_updates"] == 3 and phases[0]["num_samples"] == 32
+    assert phases[0]["unused_frac"] == 0.0  # its 2 updates of 16 drew each of its 32 samples
+    for p in phases[1:-1]:  # sized for the 2 updates a phase ran: 6 prompts x G = 4
+        assert p["planned_updates"] == 2 and p["num_samples"] == 24, p
+        assert p["drift"] >= 1e-3 and 0 <= p["unused_frac"] < 1 / 3, p
+    # the last, for the 1 update left: at least one update's 16 samples
+    assert phases[-1]["planned_updates"] == 1 and phases[-1]["num_samples"] == 16
+    plan = json.loads((ref / "rollouts" / "phase_0001" / "plan.json").read_text())
+    assert plan == {"index": 1, "first_update": 2, "max_updates": 3, "planned_updates": 2,
+                    "prompt_start": 8, "num_prompts": 6}
+    for name, ready in [
+        ("drift_killed_after_end",  # phase 0's record is written after its phase-end save
+         lambda run: any(r["kind"] == "phase" for r in whole_records(run))),
+        ("drift_killed_mid_phase",  # after phase 1's first update: its window holds one value
+         lambda run: (run / "checkpoints" / "update_0000003" / "state.json").exists())]:
+        run = d / name
+        kill_when(hf, run, partial(ready, run), extra=DRIFT)
+        generated = {p.parent.name: p.stat().st_mtime_ns
+                     for p in (run / "rollouts").glob("phase_*/index.arrow")}
+        run_to_end(hf, run, DRIFT)
+        assert phase_ends(run) == ends, name
+        assert losses(run) == pytest.approx(losses(ref), abs=1e-6), name
+        for phase, mtime in generated.items():
+            assert (run / "rollouts" / phase / "index.arrow").stat().st_mtime_ns == mtime
 
 
 def worker_pid(launcher: int, rank: int) -> int:

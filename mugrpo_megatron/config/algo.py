@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -16,9 +17,27 @@ class AlgoConfig(Section):
     total_updates: int = 4096
     """Optimizer updates in the whole run (the paper uses 4096 for both GRPO and Mu-GRPO)."""
     updates_per_phase: int = 1024
-    """mu: optimizer updates per rollout refresh. 4 is standard GRPO; 1024 is Mu-GRPO's 4 phases."""
+    """mu: optimizer updates per rollout refresh. 4 is standard GRPO; 1024 is Mu-GRPO's 4 phases.
+    With max_drift, the most updates a phase runs."""
     prompts_per_phase: int = 1024
-    """Prompts whose G responses are generated at the start of each phase."""
+    """Prompts whose G responses are generated at the start of each phase (for mu updates; with
+    max_drift a phase after the first generates for the updates the recent phases ran)."""
+    max_drift: float | None = None
+    """A drift-bounded schedule: end a phase, and start the next with a fresh generation, once
+    the policy has drifted this far from the phase's behaviour policy, measured as the mean
+    |log rho| over the response tokens of the last drift_window updates (each update's
+    abs_log_ratio_mean, taken in its forward pass before it steps, so every rank has it: no
+    collective is added). A phase runs at least min_phase_updates and at most mu updates; the
+    run's total_updates stay, so the number of phases and weight syncs is an outcome. Each
+    phase's record says how many updates it ran ('updates') and why it ended ('end': mu or
+    drift). The bound must stand well above the train/inference gap (update 0's |log rho|:
+    ~1e-6 in fp32, 1e-3 to 1e-2 in bf16). null: every phase runs mu updates. See README,
+    'Choosing the schedule'."""
+    drift_window: int = 4
+    """Updates whose mean |log rho| the max_drift bound is compared with (smooths one update's
+    noise)."""
+    min_phase_updates: int = 4
+    """With max_drift, the fewest updates a phase runs (no phase is a generation for nothing)."""
     samples_per_update: int = 256
     """Responses in one optimizer update (the minibatch), over all data-parallel ranks."""
     clip_low: float = 1.0
@@ -28,8 +47,16 @@ class AlgoConfig(Section):
     veto_threshold: float | None = 1e-4
     """Negative-advantage veto: a token of an A < 0 response whose ratio falls below this triggers
     it. null disables the veto."""
-    veto_scope: Literal["none", "trigger", "suffix", "suffix_no_trigger", "sequence"] = "suffix"
-    """Tokens removed once a veto triggers: 'suffix' is the paper's S_kappa (after the first trigger)."""
+    veto_scope: Literal["none", "trigger", "suffix", "suffix_no_trigger", "sequence",
+                        "prefix"] = "suffix"
+    """Tokens removed once a veto triggers: 'suffix' is the paper's S_kappa (after the first
+    trigger). 'prefix': a trust region on the prefix instead of a single-token trigger: in an
+    A < 0 response, the tokens after the first position where the running sum of log rho falls
+    below -veto_prefix_bound leave the loss (veto_threshold then only turns the veto on)."""
+    veto_prefix_bound: float = 9.21
+    """B of veto_scope 'prefix': the prefix's ratio pi_theta / pi_behav may fall to exp(-B)
+    before the rest of the response leaves the loss; 9.21 = -log(1e-4), the single-token
+    threshold's bound applied to the whole prefix."""
     adv_eps: float = 1e-6
     """eps in A = (r - mean) / (std + eps)."""
     uniform_groups: Literal["keep", "drop", "drop_once"] = "keep"
@@ -65,7 +92,22 @@ class AlgoConfig(Section):
             self._fail("veto_threshold", "must be in (0, 1) or null")
         if self.veto_scope not in VETO_SCOPES:  # the Literal above, for direct construction too
             self._fail("veto_scope", f"must be one of {list(VETO_SCOPES)}")
+        self._positive("veto_prefix_bound", "drift_window", "min_phase_updates")
+        if self.max_drift is not None:
+            self._positive("max_drift")
+            if self.min_phase_updates > self.updates_per_phase:
+                self._fail("min_phase_updates", f"must be at most algo.updates_per_phase "
+                                                f"({self.updates_per_phase})")
 
     @property
     def num_phases(self) -> int:
+        """Phases of mu updates: the schedule's phases without max_drift, the fewest with it."""
         return self.total_updates // self.updates_per_phase
+
+    @property
+    def max_phases(self) -> int:
+        """The most phases (and weight syncs) the run can make: with max_drift, each of them as
+        short as min_phase_updates allows."""
+        if self.max_drift is None:
+            return self.num_phases
+        return math.ceil(self.total_updates / self.min_phase_updates)

@@ -109,7 +109,7 @@ def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
 
-def save_learner(learner, path: Path, counters: dict[str, int],
+def save_learner(learner, path: Path, counters: dict,
                  optimizer_format: str = OPTIMIZER_FORMAT) -> None:
     """Collective: every rank writes its shards, rank 0 the small state last (see
     save_checkpoint). ``optimizer_format``: another of megatron's layouts, for comparisons."""
@@ -202,7 +202,7 @@ def keep_hf_config(source: Path, ckpt: Path) -> None:
     copy_tokenizer(source, out)
 
 
-def load_learner(learner, path: Path) -> dict[str, int]:
+def load_learner(learner, path: Path) -> dict:
     """Restore model, optimizer and scheduler (any layout); returns the saved counters."""
     path = Path(path)
     _verified(path)

@@ -8,13 +8,13 @@ rows over the data-parallel ranks and returns them whole on every rank.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import numpy as np
 
 from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config
+from mugrpo_megatron.layout import round_up
 from mugrpo_megatron.outputs import RunFailed
 from mugrpo_megatron.phase.batches import LogprobGap, logprob_gap
 from mugrpo_megatron.phase.store import LearnerLogprobWriter, PhaseData
@@ -24,20 +24,25 @@ PACKING_CHECK_ROWS = 8
 
 
 def spread_rows(num_samples: int, n: int, dp: int) -> np.ndarray:
-    """Up to ``n`` rows spread evenly over a phase (so over every replica's share), a multiple
-    of the data-parallel size ``dp`` (the learner splits them over its ranks)."""
-    n = min(n, num_samples)
-    rows = np.unique(np.linspace(0, num_samples - 1, n).round().astype(np.int64))
-    return rows[:len(rows) - len(rows) % dp]
+    """``n`` rows spread evenly over a phase (so over every replica's share), raised to a multiple
+    of the data-parallel size ``dp``, so that every data-parallel rank scores at least one (the
+    learner splits them over its ranks): at DP 16 a check of 4 rows scores 16. A phase with fewer
+    samples than that has its rows repeated. Empty only for ``n`` = 0 (the check is off)."""
+    if n < 1 or num_samples < 1:
+        return np.zeros(0, dtype=np.int64)
+    n = round_up(n, dp)
+    rows = np.unique(np.linspace(0, num_samples - 1, min(n, num_samples)).round().astype(np.int64))
+    return np.resize(rows, round_up(len(rows), dp))
 
 
-def mismatch_gap(learner, data: PhaseData, n: int, pad_id: int) -> LogprobGap | None:
-    """|learner log-prob - engine log-prob| on ``n`` of the engine's own samples, read back from
-    the shards: the train/inference gap of the weights the engine sampled with."""
+def mismatch_gap(learner, data: PhaseData, n: int) -> LogprobGap | None:
+    """|learner log-prob - engine log-prob| on ``n`` of the engine's own samples (at least one
+    a data-parallel rank), read back from the shards: the train/inference gap of the weights the
+    engine sampled with. None when the check is off (``n`` = 0)."""
     rows = spread_rows(data.num_samples, n, learner.layout.dp_size)
     if len(rows) == 0:
         return None
-    batch = data.batch(rows, pad_id, engine_logprobs=True)
+    batch = data.batch(rows, engine_logprobs=True)
     logp, _ = learner.logprobs(batch)
     return logprob_gap(logp, batch)
 
@@ -53,15 +58,13 @@ def packing_tolerance(cfg: Config) -> float:
     return 2 * tolerance if cfg.model.fp8_format else tolerance
 
 
-def check_packing(learner, data: PhaseData, cfg: Config, pad_id: int) -> LogprobGap | None:
+def check_packing(learner, data: PhaseData, cfg: Config) -> LogprobGap:
     """Score rows spread over the phase packed and padded; ``RunFailed`` if they differ beyond
     ``packing_tolerance``. On a GPU packing runs Transformer Engine's THD attention, kernels and
     layout rules that no CPU test runs; the padded path is the one every layout test checks.
     Two forward passes of a few rows."""
     rows = spread_rows(data.num_samples, PACKING_CHECK_ROWS, learner.layout.dp_size)
-    if len(rows) == 0:
-        return None
-    batch = data.batch(rows, pad_id)
+    batch = data.batch(rows)
     packed, _ = learner.logprobs(batch)
     padded, _ = learner.logprobs(batch, packed=False)
     diff = logprob_gap(packed, replace(batch, behav_logp=padded))
@@ -82,14 +85,12 @@ def check_packing(learner, data: PhaseData, cfg: Config, pad_id: int) -> Logprob
     return diff
 
 
-def score_behaviour(learner, data: PhaseData, chunk: int, pad_id: int, write: bool
-                    ) -> dict[str, float]:
+def score_behaviour(learner, data: PhaseData, chunk: int, write: bool) -> LogprobGap:
     """The learner's log-prob of every response token of the phase, ``chunk`` rows at a time,
     written beside the shards by the rank with ``write`` (``phase.store.LearnerLogprobWriter``).
-    Returns the seconds it took and the gap to the engine's log-probs over every response token
-    (the same on every rank). Every rank reads every row of a chunk (``logprobs`` splits it over
+    Returns the gap to the engine's log-probs over every response token (the same on every
+    rank). Every rank reads every row of a chunk (``logprobs`` splits it over
     the data-parallel ranks): the phase's shards DP times in all, once a phase."""
-    t0 = time.perf_counter()
     n, dp = data.num_samples, learner.layout.dp_size
     chunk = max(dp, chunk // dp * dp)
     writer = LearnerLogprobWriter(data.directory, n) if write else None
@@ -100,7 +101,7 @@ def score_behaviour(learner, data: PhaseData, chunk: int, pad_id: int, write: bo
         for lo in range(0, n, chunk):
             rows = np.arange(lo, min(lo + chunk, n))
             padded = np.concatenate([rows, np.full(-len(rows) % dp, rows[-1])])  # DP splits it
-            batch = data.batch(padded, pad_id, engine_logprobs=True)
+            batch = data.batch(padded, engine_logprobs=True)
             logp, _ = learner.logprobs(batch)
             gap = gap + logprob_gap(logp, batch, rows=len(rows))
             mask = batch.response_mask
@@ -112,5 +113,4 @@ def score_behaviour(learner, data: PhaseData, chunk: int, pad_id: int, write: bo
                 writer.commit()
         if writer is not None and failure.error:
             writer.abort()
-    return {"behaviour_seconds": time.perf_counter() - t0,
-            "behaviour_gap_mean": gap.mean, "behaviour_gap_max": gap.max}
+    return gap

@@ -42,6 +42,7 @@ from mugrpo_megatron.config import RolloutConfig
 from mugrpo_megatron.data.prompt_store import PromptSet
 from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.engines.fleet import EngineFleet, share
+from mugrpo_megatron.phase.record import PhaseRecord
 from mugrpo_megatron.phase.schedule import Phase
 from mugrpo_megatron.phase.store import ScoredGroup, finalize, persisted_groups, write_shard
 from mugrpo_megatron.rewards import PendingScores, RewardScorer
@@ -91,12 +92,14 @@ class ReplicaCounts:
         return [self.groups, self.responses, self.tokens, self.reward_timeouts,
                 self.reward_errors, self.shards]
 
-    def metrics(self, seconds: float) -> dict[str, float]:
-        """The phase log's numbers of a generation that took ``seconds``."""
-        return {"reward_timeouts": self.reward_timeouts, "reward_errors": self.reward_errors,
-                "generated_groups": self.groups, "rollout_shards": self.shards,
-                "inflight_prompts": self.queued,
-                **({"generate_tokens_per_s": self.tokens / seconds} if seconds else {})}
+    def record(self, rec: PhaseRecord, seconds: float) -> None:
+        """Put the numbers of a generation that took ``seconds`` into the phase's record."""
+        rec.generate_seconds = seconds
+        rec.score_seconds = self.score_wait_seconds
+        rec.reward_timeouts, rec.reward_errors = self.reward_timeouts, self.reward_errors
+        rec.generated_groups, rec.rollout_shards = self.groups, self.shards
+        rec.inflight_prompts = self.queued
+        rec.generate_tokens_per_s = self.tokens / seconds if seconds else None
 
 
 class GenerationFailed(RuntimeError):

@@ -1,37 +1,78 @@
-"""The phase scheduler: which prompts each phase generates for, and which samples each update uses.
+"""The phase schedule: which prompts each phase generates for, how long it runs, and which samples
+each of its updates uses.
 
 Pure and deterministic (seeded): no process groups, no model. GRPO (mu = 4) and Mu-GRPO
-(mu = 1024) are two settings of the same scheduler: ``total_updates / mu`` phases of ``mu`` updates.
+(mu = 1024) are two settings of the same scheduler: ``total_updates / mu`` phases of ``mu``
+updates. With ``algo.max_drift`` a phase ends early once the policy has drifted that far from its
+behaviour policy (``DriftBound``), so the phases are planned one at a time from the ones that
+ended (``PhaseScheduler.plan``): the next phase starts where the last ended, and generates for as
+many updates as the recent phases ran (``planned_updates``), so that few of its rollouts go
+unused. The ended phases (``PhaseEnd``, a few numbers each) and the running phase's drift window
+are what a checkpoint keeps of the schedule (``state``), so a resume plans the same phases.
 
-Within a phase the learner makes ``mu`` passes of ``samples_per_update`` samples over the phase's
-data: the samples are shuffled anew each epoch and cut into minibatches; as many epochs as ``mu``
-requires are taken (a partial last epoch is normal). A minibatch never straddles two epochs, so each
-epoch sees each sample at most once; the tail of an epoch shorter than a minibatch is left for the
-next shuffle.
+Within a phase the learner makes passes of ``samples_per_update`` samples over the phase's data:
+the samples are shuffled anew each epoch and cut into minibatches; as many epochs as the phase's
+updates take are made (a partial last epoch is normal). A minibatch never straddles two epochs,
+so each epoch sees each sample at most once; the tail of an epoch shorter than a minibatch is left
+for the next shuffle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 
 from mugrpo_megatron.config import AlgoConfig, Config
 
+PLANNED_FROM = 2
+"""A phase after the first generates for the longest of this many phases before it."""
+
 
 @dataclass(frozen=True)
 class Phase:
-    """One generate-then-optimize phase."""
+    """One generate-then-optimize phase, as planned when it starts."""
 
     index: int
     """0-based phase number."""
     first_update: int
     """Global index of the phase's first optimizer update."""
-    num_updates: int
-    """mu: optimizer updates in this phase."""
+    max_updates: int
+    """The most updates it runs: mu, or what is left of the run's total_updates."""
+    planned_updates: int
+    """The updates its generation is sized for (one pass of samples_per_update over its
+    responses): max_updates, or with max_drift the updates the recent phases ran."""
+    prompt_start: int
+    """Position of its first prompt in the run's stream of prompts."""
     prompt_indices: tuple[int, ...]
     """Dataset rows this phase generates responses for."""
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompt_indices)
+
+    def plan_record(self) -> dict[str, int]:
+        """What identifies the plan (written beside the phase's rollouts, compared on resume)."""
+        return {"index": self.index, "first_update": self.first_update,
+                "max_updates": self.max_updates, "planned_updates": self.planned_updates,
+                "prompt_start": self.prompt_start, "num_prompts": self.num_prompts}
+
+
+@dataclass(frozen=True)
+class PhaseEnd:
+    """How a phase ended: part of the schedule's state, saved with every checkpoint."""
+
+    index: int
+    first_update: int
+    updates: int
+    """Updates it ran."""
+    end: Literal["mu", "drift"]
+    """'mu': it ran max_updates; 'drift': the drift bound ended it."""
+    prompts: int
+    """Prompts it generated for."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +89,41 @@ class Minibatch:
     """Indices into the phase's (filtered) samples."""
 
 
+class DriftBound:
+    """``algo.max_drift``: whether the running phase has drifted too far to go on.
+
+    The statistic is the mean, over the last ``drift_window`` updates of the phase, of each
+    update's mean |log rho| over its response tokens (``abs_log_ratio_mean``: taken in the
+    update's forward pass, before it steps, on samples it had not trained on in this pass, and
+    the same on every rank after the update's one metric reduction). Mean |log rho| is the drift
+    the miniature's held-out accuracy falls with (benchmarks/RESULTS.md); a KL estimate would need
+    a second reduced number and says much the same at these sizes. Without a bound it never
+    ends a phase."""
+
+    def __init__(self, algo: AlgoConfig, window: Sequence[float] = ()):
+        self.bound, self.size = algo.max_drift, algo.drift_window
+        self.min_updates = algo.min_phase_updates
+        self.window = list(window)[-self.size:]
+        """The last updates' mean |log rho| (the checkpoint keeps it: a resume mid-phase ends the
+        phase where the uninterrupted run did)."""
+
+    def observe(self, step_in_phase: int, abs_log_ratio_mean: float) -> bool:
+        """Take the update at ``step_in_phase``'s drift; True when the phase ends after it."""
+        if self.bound is None:
+            return False
+        self.window = (self.window + [abs_log_ratio_mean])[-self.size:]
+        return (step_in_phase + 1 >= self.min_updates and len(self.window) == self.size
+                and self.drift >= self.bound)
+
+    @property
+    def drift(self) -> float:
+        """The windowed drift now (NaN before the first update)."""
+        return sum(self.window) / len(self.window) if self.window else math.nan
+
+
 class PhaseScheduler:
-    """Phases and minibatches for ``algo.total_updates`` updates at ``algo.updates_per_phase`` (mu).
+    """Phases and minibatches for ``algo.total_updates`` updates of at most ``algo.updates_per_phase``
+    (mu) a phase.
 
     Built from the config, which has checked every schedule setting (``AlgoConfig``, ``Config``);
     only the data set's size is new here."""
@@ -57,6 +131,7 @@ class PhaseScheduler:
     def __init__(self, algo: AlgoConfig, group_size: int, num_prompts: int):
         if num_prompts < 1:
             raise ValueError("the prompt dataset is empty")
+        self.algo = algo
         self.num_phases = algo.num_phases
         self.updates_per_phase = algo.updates_per_phase
         self.prompts_per_phase = algo.prompts_per_phase
@@ -65,45 +140,77 @@ class PhaseScheduler:
         self.num_prompts = num_prompts
         self.seed = algo.seed
 
+    def plan(self, ended: Sequence[PhaseEnd]) -> Phase | None:
+        """The phase after the ``ended`` ones (in order), or None when they ran every update.
+
+        It starts at the update and prompt where they stopped. It generates for
+        ``planned_updates``: mu (``prompts_per_phase`` prompts) for the first phase, and as long
+        as no phase ended early; after an early end, the longest of the last ``PLANNED_FROM``
+        phases, at ``prompts_per_phase / mu`` prompts an update (at least one update's worth).
+        Never more than ``max_updates``."""
+        first = sum(e.updates for e in ended)
+        if first >= self.algo.total_updates:
+            return None
+        max_updates = min(self.updates_per_phase, self.algo.total_updates - first)
+        planned = max_updates
+        if self.algo.max_drift is not None and any(e.end == "drift" for e in ended):
+            planned = min(max_updates, max(e.updates for e in ended[-PLANNED_FROM:]))
+        num = math.ceil(self.prompts_per_phase * planned / self.updates_per_phase)
+        num = max(num, math.ceil(self.samples_per_update / self.group_size))
+        start = sum(e.prompts for e in ended)
+        return Phase(index=len(ended), first_update=first, max_updates=max_updates,
+                     planned_updates=planned, prompt_start=start,
+                     prompt_indices=self._prompts(start, num))
+
     def phase(self, index: int) -> Phase:
-        """Phase ``index``. Prompts are read in a seeded order, reshuffled at each pass over the
-        dataset, so consecutive phases see fresh prompts until the dataset is used up."""
+        """Phase ``index`` of the schedule without early ends (every phase runs mu updates)."""
         if not 0 <= index < self.num_phases:
             raise IndexError(f"phase {index} out of range [0, {self.num_phases})")
-        start = index * self.prompts_per_phase
+        mu, ppp = self.updates_per_phase, self.prompts_per_phase
+        phase = self.plan([PhaseEnd(i, i * mu, mu, "mu", ppp) for i in range(index)])
+        assert phase is not None
+        return phase
+
+    def phases(self) -> Iterator[Phase]:
+        """Every phase of the schedule without early ends."""
+        for i in range(self.num_phases):
+            yield self.phase(i)
+
+    def _prompts(self, start: int, num: int) -> tuple[int, ...]:
+        """Dataset rows at positions [start, start + num) of the run's prompt stream: a seeded
+        order, reshuffled at each pass over the dataset, so consecutive phases see fresh prompts
+        until the dataset is used up."""
         prompts: list[int] = []
         perms: dict[int, torch.Tensor] = {}
-        for pos in range(start, start + self.prompts_per_phase):
+        for pos in range(start, start + num):
             data_epoch, offset = divmod(pos, self.num_prompts)
             if data_epoch not in perms:
                 perms[data_epoch] = self._permutation(self.num_prompts, 0, data_epoch)
             prompts.append(int(perms[data_epoch][offset]))
-        return Phase(index=index, first_update=index * self.updates_per_phase,
-                     num_updates=self.updates_per_phase, prompt_indices=tuple(prompts))
+        return tuple(prompts)
 
-    def phases(self) -> Iterator[Phase]:
-        for i in range(self.num_phases):
-            yield self.phase(i)
-
-    def update_size(self, num_samples: int, once: bool, quantum: int = 1) -> int:
+    def update_size(self, num_samples: int, once: bool, quantum: int = 1,
+                    phase: Phase | None = None) -> int:
         """Samples an update takes: ``samples_per_update`` (all of them when the phase has fewer),
-        or with ``once`` the phase's samples / mu, so that mu updates are one pass; a multiple of
-        ``quantum`` (the learner's DP x micro-batch) either way, and at least one quantum."""
+        or with ``once`` the phase's samples / its planned updates (mu without ``phase``), so
+        that those updates are one pass; a multiple of ``quantum`` (the learner's DP x
+        micro-batch) either way, and at least one quantum."""
         size = min(self.samples_per_update, num_samples)
         if once:
-            size = min(size, num_samples // self.updates_per_phase)
+            planned = phase.planned_updates if phase is not None else self.updates_per_phase
+            size = min(size, num_samples // planned)
         return max(quantum, size // quantum * quantum)
 
     def minibatches(self, phase: Phase, num_samples: int, size: int | None = None
                     ) -> Iterator[Minibatch]:
-        """The ``phase.num_updates`` minibatches over ``num_samples`` samples (after any
-        filtering), of ``size`` samples (default: ``samples_per_update``, or all when filtering
-        left fewer)."""
+        """The phase's minibatches, at most ``phase.max_updates`` (the trainer stops early when
+        the drift bound ends the phase), over ``num_samples`` samples (after any filtering), of
+        ``size`` samples (default: ``samples_per_update``, or all when filtering left fewer)."""
         if num_samples < 1:
             raise ValueError(f"phase {phase.index} has no samples to train on")
         size = min(size or self.samples_per_update, num_samples)
         per_epoch = num_samples // size
-        for step in range(phase.num_updates):
+        for step in range(phase.max_updates):
             epoch, slot = divmod(step, per_epoch)
             if slot == 0:
                 perm = self._permutation(num_samples, 1 + phase.index, epoch)
@@ -120,6 +227,29 @@ class PhaseScheduler:
         mixed = (self.seed * 0x9E3779B1 + stream * 0x85EBCA6B + epoch * 0xC2B2AE35) % (1 << 63)
         g = torch.Generator().manual_seed(mixed)
         return torch.randperm(n, generator=g)
+
+
+@dataclass
+class ScheduleState:
+    """What a checkpoint keeps of the schedule: the phases that ended, and the running phase's
+    drift window. JSON in ``state.json`` (a few numbers a phase)."""
+
+    ended: list[PhaseEnd]
+    drift_window: list[float]
+
+    def to_json(self) -> dict:
+        return {"ended": [asdict(e) for e in self.ended], "drift_window": list(self.drift_window)}
+
+    @classmethod
+    def from_counters(cls, counters: dict, algo: AlgoConfig) -> ScheduleState:
+        """The state a checkpoint saved (its ``schedule`` counter), or for a checkpoint from before
+        drift-bounded schedules, the fixed schedule's phases up to its update."""
+        saved = counters.get("schedule")
+        if saved is not None:
+            return cls([PhaseEnd(**e) for e in saved["ended"]], list(saved["drift_window"]))
+        mu = algo.updates_per_phase
+        return cls([PhaseEnd(i, i * mu, mu, "mu", algo.prompts_per_phase)
+                    for i in range(counters["update"] // mu)], [])
 
 
 def passes(updates: int, samples_per_update: int, num_samples: int) -> float:
@@ -139,6 +269,14 @@ def describe_schedule(cfg: Config) -> str:
              "drop_once": f"uniform groups dropped, then {min(made, 1.0):.2f} passes over the "
                           f"rest in updates of (1 - the uniform fraction) x "
                           f"{a.samples_per_update}"}[a.uniform_groups]
-    return (f"{a.num_phases} phases x mu={a.updates_per_phase} updates = {a.total_updates} updates "
-            f"and {a.num_phases} weight syncs; each phase {a.prompts_per_phase} prompts x G={g} = "
+    phases = (f"{a.num_phases} phases x mu={a.updates_per_phase} updates = {a.total_updates} "
+              f"updates and {a.num_phases} weight syncs")
+    if a.max_drift is not None:
+        phases = (f"{a.total_updates} updates in phases of {a.min_phase_updates} to "
+                  f"mu={a.updates_per_phase} updates, each ended once the mean |log rho| of its "
+                  f"last {a.drift_window} updates reaches max_drift = {a.max_drift:g}: "
+                  f"{a.num_phases} to {a.max_phases} phases and weight syncs (an outcome); a "
+                  f"phase after an early end generates for the updates the last "
+                  f"{PLANNED_FROM} phases ran, at most the first phase's")
+    return (f"{phases}; each phase (of mu updates) {a.prompts_per_phase} prompts x G={g} = "
             f"{samples} responses, {a.samples_per_update} per update ({reuse})")

@@ -5,6 +5,8 @@
     rollouts/phase_0003/
         shard_000000512.arrow   whole groups, scored, written by one engine replica's leader as
                                 they finished (named by the phase position of its first group)
+        plan.json               the phase's plan (first update, prompts, the updates it is
+                                sized for), written before it generates, checked on resume
         index.arrow             written once, when every group of the phase is on disk: each
                                 response in phase order (group, then sample), the shard and row
                                 it lives in, reward, advantage, length, and whether its group is
@@ -34,7 +36,7 @@ from __future__ import annotations
 import json
 import os
 import resource
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +46,9 @@ import torch
 
 from mugrpo_megatron.arrow_files import AtomicFile, buffer_positions, list_column
 from mugrpo_megatron.objective import group_advantages
+from mugrpo_megatron.outputs import write_file
 from mugrpo_megatron.phase.batches import padded_batch
+from mugrpo_megatron.phase.schedule import Minibatch, Phase, PhaseScheduler
 from mugrpo_megatron.types import Generation, TrainBatch
 
 SHARD_SCHEMA = pa.schema([
@@ -159,6 +163,26 @@ def persisted_groups(directory: Path, num_groups: int) -> np.ndarray:
 
 def is_generated(directory: Path) -> bool:
     return (directory / "index.arrow").exists()
+
+
+PLAN_FILE = "plan.json"
+
+
+def record_plan(directory: Path, phase: Phase) -> None:
+    """Rank 0, before a phase generates: keep its plan beside its rollouts (``plan.json``: where
+    it starts, its prompts, the updates it is sized for), or, when a start before this one wrote
+    it, check that this start planned the same phase: ValueError otherwise, since the shards on
+    disk were sampled for that plan."""
+    path, plan = directory / PLAN_FILE, phase.plan_record()
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved != plan:
+            raise ValueError(f"{directory}: this phase was planned as {saved} by an earlier start "
+                             f"of the run, and this start plans {plan}; its rollouts belong to "
+                             f"the first plan. Nothing was changed.")
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    write_file(path, json.dumps(plan))
 
 
 def finalize(directory: Path, num_groups: int, group_size: int, eps: float) -> Path:
@@ -316,11 +340,26 @@ class _LogprobFile:
         os.close(self.fd)
 
 
+@dataclass(frozen=True)
+class UpdateBatch:
+    """One update of a phase, as this rank trains on it."""
+
+    minibatch: Minibatch
+    rows: np.ndarray
+    """The update's phase rows over every data-parallel rank (a multiple of DP x micro-batch)."""
+    batch: TrainBatch | None
+    """This rank's share of them, read from the shards (None: too few rows for one microbatch
+    on every rank; the update is skipped)."""
+
+
 class PhaseData:
     """A generated phase as the learner sees it, on every rank, without holding it: the index's
-    columns as numpy and each shard open for reading. ``batch(rows)`` reads just those rows."""
+    columns as numpy and each shard open for reading. ``batch(rows)`` reads just those rows;
+    ``updates`` yields each update's batch for this rank: the rank's data-parallel share, padded
+    with ``pad_id``, both given once here."""
 
-    def __init__(self, directory: Path, drop_uniform: bool):
+    def __init__(self, directory: Path, drop_uniform: bool, *, pad_id: int = 0,
+                 dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int = 1):
         index = open_table(directory / "index.arrow")
         meta = index.schema.metadata or {}
         names = json.loads(meta[b"shards"])
@@ -339,6 +378,13 @@ class PhaseData:
         self.train_rows = np.flatnonzero(~self.uniform) if drop_uniform else \
             np.arange(len(self.reward))
         """Rows the updates draw from (the scheduler's sample indices index this)."""
+        self.pad_id, self.dp_rank, self.dp_size = pad_id, dp_rank, dp_size
+        self.quantum = dp_size * micro_batch_size
+        """An update's rows are a multiple of this: every rank gets whole microbatches."""
+        self.drawn = np.zeros(len(self.train_rows), dtype=bool)
+        """Which train rows an update of ``updates`` has drawn so far."""
+        self.draws = 0
+        """Rows drawn, repeats counted (the passes made: ``draws / len(train_rows)``)."""
         self._learner: _LogprobFile | None = None
 
     def has_learner_logprobs(self) -> bool:
@@ -369,12 +415,49 @@ class PhaseData:
             self._learner.close()
             self._learner = None
 
-    def batch(self, rows: Sequence[int] | np.ndarray, pad_id: int = 0, multiple_of: int = 1,
+    def updates(self, schedule: PhaseScheduler, phase: Phase, first: int, once: bool
+                ) -> Iterator[UpdateBatch]:
+        """The phase's updates from global update ``first`` on (a resume skips the earlier ones,
+        which it still counts as drawn), each with this rank's batch: the update's rows are
+        ``schedule.update_size`` samples of the train rows (``once``: uniform groups dropped
+        once, ``algo.uniform_groups: drop_once``), cut to a multiple of DP x micro-batch, and
+        this rank reads its contiguous share of them and nothing else (1 / DP of the update's
+        ~12 MB of tokens and log-probs at 10^6 response tokens an update, DP 8). Stops where the
+        caller stops (the drift bound ends a phase early)."""
+        train = self.train_rows
+        if not len(train):
+            return
+        size = schedule.update_size(len(train), once, self.quantum, phase)
+        for mb in schedule.minibatches(phase, len(train), size):
+            picked = np.asarray(mb.sample_indices, dtype=np.int64)
+            picked = picked[:len(picked) - len(picked) % self.quantum]
+            self.drawn[picked] = True
+            self.draws += len(picked)
+            if mb.update < first:
+                continue
+            rows = train[picked]
+            share = len(rows) // self.dp_size
+            mine = rows[self.dp_rank * share:(self.dp_rank + 1) * share]
+            yield UpdateBatch(mb, rows, self.batch(mine) if len(rows) else None)
+
+    @property
+    def passes(self) -> float:
+        """Passes over the train rows that the updates drawn so far made."""
+        return self.draws / len(self.train_rows) if len(self.train_rows) else 0.0
+
+    @property
+    def unused_frac(self) -> float:
+        """The share of the phase's responses that no update drew (generated for nothing): the
+        uniform groups dropped, and what an early end left."""
+        return 1.0 - int(self.drawn.sum()) / self.num_samples if self.num_samples else 0.0
+
+    def batch(self, rows: Sequence[int] | np.ndarray, multiple_of: int = 1,
               engine_logprobs: bool = False) -> TrainBatch:
-        """Right-padded prompt+response rows for phase rows ``rows``: reads those rows from the
-        shards and nothing else. Memory and time: the batch, whatever the phase's size. The
-        behaviour log-probs are the learner's after ``use_learner_logprobs`` (the shards' are
-        then not read), else the engine's; ``engine_logprobs`` asks for the engine's always."""
+        """Right-padded (``pad_id``) prompt+response rows for phase rows ``rows``: reads those
+        rows from the shards and nothing else. Memory and time: the batch, whatever the phase's
+        size. The behaviour log-probs are the learner's after ``use_learner_logprobs`` (the
+        shards' are then not read), else the engine's; ``engine_logprobs`` asks for the
+        engine's always."""
         rows = np.asarray(rows, dtype=np.int64)
         learner = None if engine_logprobs else self._learner
         if learner is None:
@@ -382,7 +465,7 @@ class PhaseData:
         else:
             picked = [(*self.shards[self.shard[i]].tokens(int(self.row[i])), learner.row(int(i)))
                       for i in rows]
-        return padded_batch(picked, self.advantage[rows], pad_id, multiple_of)
+        return padded_batch(picked, self.advantage[rows], self.pad_id, multiple_of)
 
     def stats(self) -> dict:
         """The phase's summary numbers (vectorised over the index)."""
