@@ -51,6 +51,10 @@ def _fmt(x) -> str:
     return str(x)
 
 
-def write_json(path: str | Path, payload: dict) -> None:
+def write_json(path: str | Path, payload: dict, compact: bool = False) -> None:
+    """``payload`` with the machine's description; ``compact``: no indentation (per-update
+    curves of many runs: half the size)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"machine": machine(), **payload}, indent=1))
+    text = json.dumps({"machine": machine(), **payload}, indent=None if compact else 1,
+                      separators=(",", ":") if compact else None)
+    Path(path).write_text(text)

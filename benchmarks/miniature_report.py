@@ -1,7 +1,9 @@
 """The paper miniature's tables, curves and RESULTS.md section (``paper_miniature.py`` runs it).
 
 A run's numbers come from its metrics.jsonl (``read_run``); runs of one setting (row, mu,
-uniform-group policy) are summarised over their seeds (``summarize``).
+uniform-group policy) are summarised over their seeds (``summarize``). A per-update mean over no
+token (E[rho | A < 0] in an update without an A < 0 token) is absent from the run's records and
+stays absent here: averages are over the updates that have it.
 """
 
 from __future__ import annotations
@@ -9,10 +11,20 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 
-CURVES = [("clip_frac", "clip fraction"), ("veto_frac", "vetoed token fraction"),
-          ("rho_neg_mean", "E[rho | A < 0]"), ("abs_log_ratio_mean", "mean |log rho|")]
+CURVES = [("clip_frac", "clip fraction"), ("clip_frac_low", "clip fraction, low side"),
+          ("clip_frac_high", "clip fraction, high side"), ("veto_frac", "vetoed token fraction"),
+          ("veto_response_frac", "vetoed A < 0 response fraction"),
+          ("rho_neg_mean", "E[rho | A < 0]"), ("log_rho_neg_mean", "mean log rho | A < 0"),
+          ("rho_neg_below_half_frac", "A < 0 tokens with rho < 0.5"),
+          ("abs_log_ratio_mean", "mean |log rho|"), ("entropy_mean", "policy entropy"),
+          ("grad_norm", "gradient norm")]
+"""The per-update numbers each run keeps (the miniature's JSON)."""
+PLOTTED = ("clip_frac_low", "clip_frac_high", "veto_response_frac", "rho_neg_mean",
+           "abs_log_ratio_mean", "entropy_mean", "grad_norm")
+"""The curves of the plot, under held-out accuracy."""
 
 
 def read_run(run_dir: Path) -> dict:
@@ -25,20 +37,33 @@ def read_run(run_dir: Path) -> dict:
     updates = [r for r in recs if r["kind"] == "update" and not r.get("skipped")]
     # drift late in a phase: mean |log rho| over the last quarter of each phase's updates, the
     # largest over the phases (where the behaviour policy is stalest)
-    mu = max((u["staleness"] for u in updates), default=0) + 1
-    late = {}
+    length = {p["phase"]: p["updates"] for p in phases}
+    late: dict[int, list[float]] = {}
     for u in updates:
-        if u["staleness"] >= 3 * mu / 4:
-            late.setdefault(u["phase"], []).append(u.get("abs_log_ratio_mean", 0.0))
+        if u["staleness"] >= 3 * length.get(u["phase"], 1) / 4 and "abs_log_ratio_mean" in u:
+            late.setdefault(u["phase"], []).append(u["abs_log_ratio_mean"])
     return {**parts, "rollout": parts["generate"] + parts["score"], "total": sum(parts.values()),
             "syncs": len(phases), "evals": evals,
+            "phase_updates": [p["updates"] for p in phases],
+            "phase_ends": [p["end"] for p in phases],
             "phase_reward": [p["reward_mean"] for p in phases],
             "passes": statistics.mean(p.get("passes", 0.0) for p in phases),
+            "unused_frac": statistics.mean(p.get("unused_frac", 0.0) for p in phases),
             "uniform_frac": statistics.mean(p["uniform_group_frac"] for p in phases),
             "late_phase_abs_log_ratio": max((statistics.mean(v) for v in late.values()),
                                             default=0.0),
-            "curves": {k: [(u["update"], u.get(k, 0.0)) for u in updates] for k, _ in CURVES},
+            "phase_end_clip_frac": _phase_end(updates, length, "clip_frac"),
+            "curves": {k: [(u["update"], u[k]) for u in updates if k in u] for k, _ in CURVES},
             "skipped_updates": sum(p["skipped_updates"] for p in phases)}
+
+
+def _phase_end(updates: list[dict], length: dict[int, int], key: str) -> float:
+    """Mean of ``key`` over the last eighth of each phase's updates (at least its last one):
+    the paper's clip rate 'at the end of a phase'."""
+    vals = [u[key] for u in updates if key in u
+            and u["staleness"] >= min(7 * length.get(u["phase"], 1) / 8,
+                                      length.get(u["phase"], 1) - 1)]
+    return statistics.mean(vals) if vals else float("nan")
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -48,18 +73,28 @@ def summarize(runs: list[dict]) -> dict:
     mean = statistics.mean
 
     def late(key):  # mean over the last quarter of updates: where a collapse shows
-        vals = [v for r in runs for u, v in r["curves"][key] if u >= 3 * r["curves"][key][-1][0] / 4]
+        vals = [v for r in runs for u, v in r["curves"][key]
+                if r["curves"][key] and u >= 3 * r["curves"][key][-1][0] / 4]
         return mean(vals) if vals else float("nan")
 
+    def run_mean(key):  # the mean of each run's updates, then over the seeds
+        vals = [mean(v for _, v in r["curves"][key]) for r in runs if r["curves"][key]]
+        return mean(vals) if vals else float("nan")
+
+    syncs = [r["syncs"] for r in runs]
     return {"seeds": len(runs), "before": mean(before), "after": mean(after),
             "after_std": statistics.stdev(after) if len(after) > 1 else 0.0,
             "after_min": min(after), "after_max": max(after),
             "peak": mean(max(a for _, a in r["evals"]) for r in runs),
             "rollout": mean(r["rollout"] for r in runs), "total": mean(r["total"] for r in runs),
-            "wall": mean(r["wall"] for r in runs), "syncs": runs[0]["syncs"],
+            "wall": mean(r["wall"] for r in runs), "syncs": mean(syncs),
+            "syncs_min": min(syncs), "syncs_max": max(syncs),
             "passes": mean(r["passes"] for r in runs),
+            "unused_frac": mean(r["unused_frac"] for r in runs),
             "uniform_frac": mean(r["uniform_frac"] for r in runs),
             "late_phase_abs_log_ratio": mean(r["late_phase_abs_log_ratio"] for r in runs),
+            "phase_end_clip_frac": mean(r["phase_end_clip_frac"] for r in runs),
+            "run_clip_frac": run_mean("clip_frac"),
             **{f"late_{k}": late(k) for k, _ in CURVES}}
 
 
@@ -69,74 +104,79 @@ def _after(s: dict) -> str:
     return f"{s['after']:.3f}{spread}"
 
 
+def _syncs(s: dict) -> str:
+    if s["syncs_min"] == s["syncs_max"]:
+        return str(s["syncs_min"])
+    return f"{s['syncs']:.1f} ({s['syncs_min']}-{s['syncs_max']})"
+
+
 def _markdown(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def grid_table(summary: dict[str, dict], keys: list[tuple[str, str]]) -> str:
-    """The Table-1-shaped table: (setting key, label) in order."""
+def grid_table(summary: dict[str, dict], lines: list) -> str:
+    """The Table-1-shaped table: one line a setting (key, label, uniform policy, phases)."""
+    policies = {line[2] for line in lines}
     rows = []
-    for key, label in keys:
+    for key, label, uniform, _ in lines:
         s = summary[key]
-        rows.append([label, str(s["seeds"]), f"{s['before']:.3f}", _after(s), f"{s['peak']:.3f}",
-                     f"{s['rollout']:.1f}", f"{s['total']:.1f}", str(s["syncs"]),
-                     f"{s['late_clip_frac']:.4f}", f"{s['late_veto_frac']:.4f}",
-                     f"{s['late_rho_neg_mean']:.3f}", f"{s['late_abs_log_ratio_mean']:.3f}",
-                     f"{s['late_phase_abs_log_ratio']:.3f}"])
-    return _markdown(["run", "seeds", "held-out before", "held-out after", "peak", "T_roll s",
-                      "T_total s", "syncs", "clip frac", "veto frac", "E[rho \\| A<0]",
-                      "mean \\|log rho\\|", "late in a phase"], rows)
+        name = f"{label} ({uniform} uniform groups)" if len(policies) > 1 else label
+        rows.append([name, str(s["seeds"]), _syncs(s), f"{s['before']:.3f}", _after(s),
+                     f"{s['peak']:.3f}", f"{s['rollout']:.1f}", f"{s['total']:.1f}",
+                     f"{100 * s['run_clip_frac']:.3f}%", f"{100 * s['phase_end_clip_frac']:.3f}%",
+                     f"{s['late_clip_frac_low']:.4f} / {s['late_clip_frac_high']:.4f}",
+                     f"{s['late_veto_response_frac']:.3f}", f"{s['late_rho_neg_mean']:.3f}",
+                     f"{s['late_abs_log_ratio_mean']:.3f}", f"{s['late_phase_abs_log_ratio']:.3f}",
+                     f"{s['late_entropy_mean']:.3f}", f"{s['unused_frac']:.2f}"])
+    return _markdown(["run", "seeds", "syncs", "held-out before", "held-out after", "peak",
+                      "T_roll s", "T_total s", "clip (run)", "clip (phase end)",
+                      "clip low / high (late)", "vetoed A<0 responses", "E[rho \\| A<0]",
+                      "mean \\|log rho\\|", "late in a phase", "entropy", "unused"], rows)
 
 
-def uniform_table(summary: dict[str, dict], keys: list[tuple[str, str, str]]) -> str:
-    """(setting key, label, policy): the headline rows under each uniform-group policy."""
-    rows = [[label, policy, str(summary[key]["seeds"]), f"{summary[key]['uniform_frac']:.2f}",
-             f"{summary[key]['passes']:.2f}", _after(summary[key]), f"{summary[key]['peak']:.3f}",
-             f"{summary[key]['late_phase_abs_log_ratio']:.3f}"] for key, label, policy in keys]
-    return _markdown(["run", "uniform groups", "seeds", "uniform fraction", "passes a phase",
-                      "held-out after", "peak", "late in a phase"], rows)
+def as_json(grid) -> dict:
+    """A grid's settings as plain data (its rows by name)."""
+    out = asdict(grid)
+    out["rows"] = [[r["name"], seeds] for r, seeds in out["rows"]]
+    return out
 
 
-def phases_table(summary: dict[str, dict], keys: list[tuple[str, int, int]]) -> str:
-    """(setting key, phases, mu): Mu-GRPO at equal total updates."""
-    rows = [[str(phases), str(mu), str(summary[key]["seeds"]), _after(summary[key]),
-             f"{summary[key]['peak']:.3f}", f"{summary[key]['rollout']:.1f}",
-             f"{summary[key]['total']:.1f}", f"{summary[key]['late_phase_abs_log_ratio']:.3f}",
-             f"{summary[key]['late_rho_neg_mean']:.3f}"] for key, phases, mu in keys]
-    return _markdown(["phases", "mu", "seeds", "held-out after", "peak", "T_roll s", "T_total s",
-                      "late in a phase", "E[rho \\| A<0]"], rows)
-
-
-def plot(runs: dict[str, list[dict]], keys: list[tuple[str, str]], path: Path) -> None:
-    """Figures 2-3 of the paper: held-out accuracy and the four curves, one line a setting."""
+def plot(runs: dict[str, list[dict]], lines: list, path: Path) -> None:
+    """Figures 2-3 of the paper: held-out accuracy (seed mean) and the drift curves (first
+    seed, moving average), one line a setting."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(CURVES) + 1, 1, figsize=(8, 2.4 * (len(CURVES) + 1)), sharex=True)
-    for key, label in keys:
+    titles = dict(CURVES)
+    fig, axes = plt.subplots(len(PLOTTED) + 1, 1, figsize=(8, 2.2 * (len(PLOTTED) + 1)),
+                             sharex=True)
+    for key, label, _, _ in lines:
         rs = runs[key]
-        xs = [u for u, _ in rs[0]["evals"]]
-        ys = [statistics.mean(r["evals"][i][1] for r in rs) for i in range(len(xs))]
+        n = min(len(r["evals"]) for r in rs)
+        xs = [u for u, _ in rs[0]["evals"][:n]]
+        ys = [statistics.mean(r["evals"][i][1] for r in rs) for i in range(n)]
         (line,) = axes[0].plot(xs, ys, "o-", ms=3, lw=1.2, label=label)
-        for ax, (curve, _) in zip(axes[1:], CURVES):
+        for ax, curve in zip(axes[1:], PLOTTED):
             pts = rs[0]["curves"][curve]
-            w = max(1, len(pts) // 32)  # a moving average over ~1/32 of the run, first seed
+            if not pts:
+                continue
+            w = max(1, len(pts) // 32)  # a moving average over ~1/32 of the run
             vals = [v for _, v in pts]
             sm = [statistics.mean(vals[max(0, i - w + 1):i + 1]) for i in range(len(vals))]
             ax.plot([u for u, _ in pts], sm, lw=1, color=line.get_color())
     axes[0].set_title("held-out accuracy (mean@k, seed mean)", fontsize=9)
-    axes[0].legend(fontsize=7)
-    for ax, (curve, title) in zip(axes[1:], CURVES):
-        ax.set_title(title + " (first seed, moving average)", fontsize=9)
-        if curve in ("clip_frac", "veto_frac"):
+    axes[0].legend(fontsize=6)
+    for ax, curve in zip(axes[1:], PLOTTED):
+        ax.set_title(titles[curve] + " (first seed, moving average)", fontsize=9)
+        if curve.startswith(("clip", "veto")):
             ax.set_yscale("symlog", linthresh=1e-4)
     axes[-1].set_xlabel("update")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
@@ -154,41 +194,35 @@ def update_results_md(path: Path, section: str, tag: str = "") -> None:
     path.write_text(text)
 
 
-def markdown_section(args, sft: dict, tables: dict[str, str], grid_seconds: float, cmd: str,
+def markdown_section(args, sft: dict, table: str, grid_seconds: float, cmd: str,
                      root: Path) -> str:
+    g = args.grid
     by_k = ", ".join(f"{k} operands {v:.2f}" for k, v in sft["probe_by_operands"].items())
     plot_rel = os.path.relpath(args.plot, root / "benchmarks")
     out_rel = os.path.relpath(args.out, root)
-    title = f"lr {args.lr:g}, {args.updates // args.mu} phases"
-    if args.tag and args.tag.strip("_") != f"{args.updates // args.mu}phases":
-        title += f", {args.tag.strip('_')}"
-    extra = ""
-    if "uniform" in tables:
-        extra += f"\n\nThe headline rows under each uniform-group policy:\n\n{tables['uniform']}"
-    if "phases" in tables:
-        extra += (f"\n\nMu-GRPO with the phase count changed at equal total updates "
-                  f"({args.updates}):\n\n{tables['phases']}")
-    return f"""## Mu-GRPO's claims in miniature: {title} (`benchmarks/paper_miniature.py`)
+    return f"""## Mu-GRPO in miniature, grid `{args.grid_name}`: {g.what} (`benchmarks/paper_miniature.py`)
 
-`{cmd}` ({grid_seconds / 60:.1f} minutes on this machine, SFT included unless reused; raw numbers
-in `{out_rel}`).
+`{cmd}` ({grid_seconds / 60:.1f} minutes on this machine; raw numbers in `{out_rel}`).
 
-Policy: the tiny Llama of `benchmarks/miniature_task.py` (2 layers, hidden 128), SFT'd for
-{sft['steps']} steps ({sft['seconds']:.0f} s) on chained single-digit arithmetic, half of the
-examples worked step by step and half answered at once, to a sampled probe pass rate of
-{sft['probe_pass_rate']:.2f} ({by_k}). Every row: {args.updates} updates of
-{args.samples_per_update} responses (G = {args.group_size}), phases sized for one pass over their
-data before any uniform group is dropped, uniform groups {args.uniform}, lr {args.lr}, veto
-threshold {args.veto_threshold}, M = {args.mu}, through `python -m mugrpo_megatron train`
+Regime: lr {g.lr:g}, M = {g.mu}, {g.phases} phases of the large-mu rows, {g.updates} updates of
+{g.samples_per_update} responses (G = {args.group_size}) in every row, phases sized for one pass
+over their data, veto threshold {args.veto_threshold:g}. Policy: the committed SFT policy
+(`{os.path.relpath(args.policy, root)}`, fingerprint {sft['fingerprint']}: the tiny Llama of
+`benchmarks/miniature_task.py`, {sft['steps']} SFT steps, probe pass rate
+{sft['probe_pass_rate']:.2f}: {by_k}). Each run through `python -m mugrpo_megatron train`
 (megatron-core learner, vLLM engine, fp32, one process). Held-out: mean@{args.eval_samples} at
-temperature 1 on {args.eval_size} unseen problems, every {args.eval_every} updates (an extra weight
-sync, not counted in the times). Seeds differ in prompt order, minibatches and sampling; the SFT
-policy is the same. T_roll = generation + scoring, T_total = T_roll + sync + switch + optimization
-(start-up and evaluation excluded), seconds, seed mean. Clip, veto, E[rho | A<0] and |log rho|:
-means over the last quarter of updates; "late in a phase": mean |log rho| over the last quarter
-of each phase's updates, the largest over the phases (seed mean).
+temperature 1 on {args.eval_size} unseen problems, every {g.eval_every} updates (an extra weight
+sync, not counted in the times). Seeds differ in prompt order, minibatches and sampling; the
+policy is the same. "held-out after": seed mean ± standard deviation (min-max); syncs: weight
+syncs for generation (seed mean and range where they differ: the drift-bounded rows); T_roll =
+generation + scoring, T_total = T_roll + sync + switch + optimization (start-up and evaluation
+excluded), seconds, seed mean. Clip (run): tokens clipped over all updates; clip (phase end):
+over the last eighth of each phase's updates. Low / high clip, vetoed responses, E[rho | A<0],
+|log rho| and entropy: means over the last quarter of updates; "late in a phase": mean |log rho|
+over the last quarter of each phase's updates, the largest over the phases; unused: the share of
+generated responses no update drew.
 
-{tables['grid']}
+{table}
 
-![curves]({plot_rel}){extra}
+![curves]({plot_rel})
 """

@@ -1,32 +1,30 @@
 """Mu-GRPO's claims in miniature: the paper's grid through the real trainer, on 2 CPU cores.
 
-1. Make a policy with a learning signal (``miniature_task``): a tiny Llama, SFT'd on chained
-   single-digit arithmetic until its sampled pass rate reaches ``--sft-target``.
-2. Run each row of the grid through ``python -m mugrpo_megatron train`` (the megatron-core
-   learner and the vLLM engine users get; ``paper_miniature.yaml`` plus the row's overrides),
-   all rows with the same total updates (``--phases`` x M) and samples per update:
-     GRPO mu=4 [0.8, 1.2] | GRPO mu=M [0.8, 1.2] | mu=M [0, 5] no veto |
-     mu=M [0, 5] veto on triggers | Mu-GRPO: mu=M [0, 5] suffix veto |
-     suffix without triggers | whole sequence.
-   The two headline rows (GRPO mu=4, Mu-GRPO) run with ``--seeds`` seeds, and with
-   ``--uniform-compare`` under the other two uniform-group policies as well
-   (``algo.uniform_groups``, ``--uniform-seeds`` seeds). ``--phase-sweep 2,4,8,16`` adds
-   Mu-GRPO at those phase counts, equal total updates (the paper's first open question).
-3. Write the Table-1-shaped table, the other two tables and the curves of Figures 2-3 (PNG), and
-   with ``--results-md`` replace this benchmark's section of benchmarks/RESULTS.md.
+1. The policy: a tiny Llama SFT'd on chained single-digit arithmetic (``miniature_task``) to a
+   sampled probe pass rate of ``--sft-target``, committed and fingerprinted
+   (``benchmarks/miniature_policy_grid``; ``--quick``: ``benchmarks/miniature_policy``), so that
+   every grid starts from the same model on any machine.
+2. A sub-grid (``--grid``, ``miniature_grids.GRIDS``): rows of settings at a regime, each row at
+   its number of seeds, all with the same total updates (phases x M) and update size, each run
+   through ``python -m mugrpo_megatron train`` (the megatron-core learner and the vLLM engine
+   users get; ``paper_miniature.yaml`` plus the row's overrides). Every sub-grid runs alone in
+   under an hour on 2 cores.
+3. Its table (held-out accuracy as a seed mean with its spread, syncs, times, the drift numbers)
+   and curves (PNG), and with ``--results-md`` its own section of benchmarks/RESULTS.md.
 
-    python benchmarks/paper_miniature.py                  # the full grid (~60 min on 2 cores)
-    python benchmarks/paper_miniature.py --quick          # ~1 min: the signal is there (CI)
-    python benchmarks/paper_miniature.py --make-policy benchmarks/miniature_policy --eval-size 128
+    python benchmarks/paper_miniature.py --grid today --results-md benchmarks/RESULTS.md
+    python benchmarks/paper_miniature.py --quick        # ~1 min: the signal is there (CI)
+    python benchmarks/paper_miniature.py --grid custom --rows grpo_mu4,grpo_muM --seeds 1 \
+        --lr 3e-5 --mu 64 --phases 4                  # an ad-hoc grid (a calibration run)
+    python benchmarks/paper_miniature.py --make-policy DIR --eval-size 256
 
-``--quick`` runs only Mu-GRPO, with two seeds and one phase, from the SFT policy committed in
-``benchmarks/miniature_policy`` (made by the last command: 1,000 SFT steps, 3 minutes on two
-threads and over 10 on one beside another test, which the suite would otherwise spend at every
-run; 1.5 MB), and exits non-zero unless the initial held-out pass rate is in [0.2, 0.6] and
-Mu-GRPO improves it by more than the spread of its two seeds. A policy
-records a fingerprint of what made it (the task's and the SFT's code, the split sizes and the
-target); one whose fingerprint differs from this script's is refused, with the command that makes
-it again.
+``--quick`` runs only Mu-GRPO, with two seeds and one phase, from the committed quick policy
+(1,000 SFT steps, 3 minutes on two threads and over 10 on one beside another test, which the
+suite would otherwise spend at every run; 1.5 MB), and exits non-zero unless the initial held-out
+pass rate is in [0.2, 0.6] and Mu-GRPO improves it by more than the spread of its two seeds. A
+policy records a fingerprint of what made it (the task's and the SFT's code, the split sizes and
+the target); one whose fingerprint differs from this script's is refused, with the command that
+makes it again.
 """
 
 from __future__ import annotations
@@ -41,13 +39,14 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import miniature_report as report  # noqa: E402
 import miniature_task  # noqa: E402
 from common import write_json  # noqa: E402
+from miniature_grids import GRIDS, MUGRPO, Grid, Job, jobs_for, row  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = Path(__file__).with_suffix(".yaml")
@@ -55,106 +54,36 @@ QUICK_POLICY = ROOT / "benchmarks" / "miniature_policy"
 GRID_POLICY = ROOT / "benchmarks" / "miniature_policy_grid"
 """The committed SFT policies every grid starts from (``--quick``: made for 128 held-out
 problems; the grids: 256). SFT on a CPU does not reproduce across machines to the step at which
-the probe first crosses its target (float sums differ, the probe samples), so a grid made its
-own policy anew each time would start from a different model; these are fingerprinted and
+the probe first crosses its target (float sums differ, the probe samples), so a grid that made
+its own policy anew each time would start from a different model; these are fingerprinted and
 committed instead, and ``--make-policy`` makes a new one on purpose."""
 PASS_RANGE = (0.2, 0.6)
 NUM_TRAIN, NUM_PROBE = 8000, 128
-
-
-@dataclass(frozen=True)
-class Row:
-    name: str
-    label: str
-    large_mu: bool
-    clip: tuple[float, float]
-    """(clip_low, clip_high): [1 - low, 1 + high]."""
-    veto: str | None
-    """veto scope, None for no veto"""
-    headline: bool = False
-
-
-GRID = [
-    Row("grpo_mu4", "GRPO mu=4, [0.8, 1.2]", False, (0.2, 0.2), None, headline=True),
-    Row("grpo_muM", "GRPO mu=M, [0.8, 1.2]", True, (0.2, 0.2), None),
-    Row("relaxed_noveto", "mu=M, [0, 5], no veto", True, (1.0, 4.0), None),
-    Row("veto_trigger", "mu=M, [0, 5], veto on triggers", True, (1.0, 4.0), "trigger"),
-    Row("mugrpo", "Mu-GRPO: mu=M, [0, 5], suffix veto", True, (1.0, 4.0), "suffix", headline=True),
-    Row("veto_suffix_no_trigger", "mu=M, [0, 5], suffix minus triggers", True, (1.0, 4.0),
-        "suffix_no_trigger"),
-    Row("veto_sequence", "mu=M, [0, 5], whole sequence", True, (1.0, 4.0), "sequence"),
-]
-DEFAULT_ROWS = ",".join(r.name for r in GRID)
-POLICIES = ("keep", "drop", "drop_once")
-"""algo.uniform_groups' choices."""
-
-
-@dataclass(frozen=True)
-class Job:
-    """One training run: a row of the grid at one mu, uniform-group policy and seed."""
-
-    row: Row
-    mu: int
-    uniform: str
-    seed: int
-
-    @property
-    def key(self) -> str:
-        """The setting (what the seeds of one table line share)."""
-        return f"{self.row.name}_mu{self.mu}_{self.uniform}"
-
-    @property
-    def label(self) -> str:
-        return self.row.label.replace("mu=M", f"mu={self.mu}")
-
-
-def jobs_for(args, rows: list[Row]) -> tuple[list[Job], dict[str, list]]:
-    """Every run, and what each table shows: {'grid': [(key, label)], 'uniform': [(key, label,
-    policy)], 'phases': [(key, phases, mu)]}."""
-    jobs: dict[str, Job] = {}
-    tables: dict[str, list] = {"grid": [], "uniform": [], "phases": []}
-
-    def add(row: Row, mu: int, uniform: str, seeds: int) -> str:
-        for seed in range(1, seeds + 1):
-            job = Job(row, mu, uniform, seed)
-            jobs.setdefault(f"{job.key}_s{seed}", job)
-        return Job(row, mu, uniform, 1).key
-
-    for row in rows:
-        mu = args.mu if row.large_mu else 4
-        key = add(row, mu, args.uniform, args.seeds if row.headline else 1)
-        tables["grid"].append((key, Job(row, mu, args.uniform, 1).label))
-    if args.uniform_compare:
-        for row in (r for r in rows if r.headline):
-            mu = args.mu if row.large_mu else 4
-            for policy in POLICIES:
-                seeds = args.seeds if policy == args.uniform else args.uniform_seeds
-                key = add(row, mu, policy, seeds)
-                tables["uniform"].append((key, Job(row, mu, policy, 1).label, policy))
-    mugrpo = next(r for r in GRID if r.name == "mugrpo")
-    for phases in args.phase_sweep:
-        key = add(mugrpo, args.updates // phases, args.uniform,
-                  args.seeds if args.updates // phases == args.mu else 1)
-        tables["phases"].append((key, phases, args.updates // phases))
-    return list(jobs.values()), {k: v for k, v in tables.items() if v}
+QUICK = Grid("quick", "the signal is there: Mu-GRPO, one phase", ((MUGRPO, 2),), lr=1e-4, mu=32,
+             phases=1, samples_per_update=64, eval_every=0)
+"""--quick's grid (the lr and update size the committed quick policy was checked at)."""
 
 
 def run_job(job: Job, model: Path, data: Path, run_dir: Path, args) -> dict:
     """One training run through the package's CLI; its metrics, read back from metrics.jsonl."""
-    row, seed, mu = job.row, job.seed, job.mu
+    r, seed, mu, grid = job.row, job.seed, job.mu, args.grid
     sets = {
         "model.path": model, "data.path": data / "train.jsonl", "data.eval_path": data / "eval.jsonl",
         "data.eval_size": args.eval_size, "rollout.eval_samples": args.eval_samples,
-        "rollout.group_size": args.group_size, "algo.total_updates": args.updates,
-        "algo.updates_per_phase": mu, "algo.samples_per_update": args.samples_per_update,
-        "algo.prompts_per_phase": mu * args.samples_per_update // args.group_size,
-        "algo.clip_low": row.clip[0], "algo.clip_high": row.clip[1],
-        "algo.veto_threshold": "null" if row.veto is None else args.veto_threshold,
-        "algo.veto_scope": row.veto or "none", "algo.uniform_groups": job.uniform,
+        "rollout.group_size": args.group_size, "algo.total_updates": grid.updates,
+        "algo.updates_per_phase": mu, "algo.samples_per_update": grid.samples_per_update,
+        "algo.prompts_per_phase": mu * grid.samples_per_update // args.group_size,
+        "algo.clip_low": r.clip[0], "algo.clip_high": r.clip[1],
+        "algo.veto_threshold": "null" if r.veto is None else args.veto_threshold,
+        "algo.veto_scope": r.veto or "none", "algo.uniform_groups": job.uniform,
         "algo.seed": seed, "rollout.seed": seed,
-        "optim.lr": args.lr, "logging.eval_every_updates": args.eval_every,
+        "optim.lr": grid.lr, "logging.eval_every_updates": grid.eval_every,
         "logging.run_dir": run_dir,
     }
+    if r.max_drift is not None:
+        sets["algo.max_drift"] = r.max_drift
+    if r.prefix_bound is not None:
+        sets["algo.veto_prefix_bound"] = r.prefix_bound
     cmd = [sys.executable, "-m", "mugrpo_megatron", "train", "--config", str(BASE_CONFIG)]
     cmd += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -164,82 +93,83 @@ def run_job(job: Job, model: Path, data: Path, run_dir: Path, args) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode:
-        raise SystemExit(f"{row.name} seed {seed} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return {"row": row.name, "key": job.key, "seed": seed, "mu": mu, "uniform": job.uniform,
+        raise SystemExit(f"{r.name} seed {seed} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return {"row": r.name, "key": job.key, "seed": seed, "mu": mu, "uniform": job.uniform,
             "wall": wall, **report.read_run(run_dir)}
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--grid", default="today", choices=[*GRIDS, "custom"],
+                    help="the sub-grid to run (miniature_grids.py); 'custom': --rows at --seeds "
+                         "with the regime flags")
     ap.add_argument("--quick", action="store_true",
                     help="Mu-GRPO only, 2 seeds, one phase, from the committed SFT policy: "
                          "checks the signal in about a minute")
-    ap.add_argument("--rows", default=DEFAULT_ROWS,
-                    help=f"comma-separated rows of: {', '.join(r.name for r in GRID)}")
-    ap.add_argument("--seeds", type=int, default=3, help="seeds of the headline rows")
-    ap.add_argument("--phases", type=int, default=4,
+    ap.add_argument("--rows", default="grpo_mu4,mugrpo",
+                    help="--grid custom: comma-separated rows (miniature_grids.row)")
+    ap.add_argument("--seeds", type=int, default=1, help="--grid custom: seeds of every row")
+    # the regime: a named grid's own, unless given
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--mu", type=int, help="M: updates per phase of the large-mu rows")
+    ap.add_argument("--phases", type=int,
                     help="phases of the large-mu rows; every row makes phases x M updates")
-    ap.add_argument("--mu", type=int, default=64, help="M: updates per phase of the large-mu rows")
-    ap.add_argument("--uniform", default="keep", choices=POLICIES,
-                    help="algo.uniform_groups of the grid")
-    ap.add_argument("--no-uniform-compare", dest="uniform_compare", action="store_false",
-                    help="skip the headline rows under the other uniform-group policies")
-    ap.add_argument("--uniform-seeds", type=int, default=2,
-                    help="seeds of the headline rows under the other uniform-group policies")
-    ap.add_argument("--phase-sweep", default="2,4,8,16",
-                    help="phase counts of Mu-GRPO at equal total updates ('' for none)")
-    ap.add_argument("--samples-per-update", type=int, default=32)
+    ap.add_argument("--samples-per-update", type=int)
+    ap.add_argument("--eval-every", type=int, help="held-out curve resolution, updates")
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1.5e-4,
-                    help="the drift regime: no veto drifts (|log rho| > 0.2), GRPO mu=4 improves")
     ap.add_argument("--veto-threshold", type=float, default=1e-4)
     ap.add_argument("--jobs", type=int, default=1,
                     help="training runs side by side (times are comparable only with 1)")
-    ap.add_argument("--eval-every", type=int, default=32, help="held-out curve resolution, updates")
     ap.add_argument("--eval-size", type=int, default=256)
     ap.add_argument("--eval-samples", type=int, default=4)
     ap.add_argument("--sft-target", type=float, default=0.3,
                     help="sampled probe pass rate at which SFT stops")
-    ap.add_argument("--policy", help="start from this SFT policy (a directory --make-policy or "
-                                     "--work-dir left) instead of making one; --quick's default: "
-                                     "benchmarks/miniature_policy")
+    ap.add_argument("--policy", help="start from this SFT policy (default: the committed one, "
+                                     "benchmarks/miniature_policy_grid; --quick's: "
+                                     "benchmarks/miniature_policy)")
     ap.add_argument("--make-policy", metavar="DIR",
                     help="only make the SFT policy, into DIR (new, or one this script made)")
-    ap.add_argument("--work-dir", help="keep the model, data and run directories here "
+    ap.add_argument("--work-dir", help="keep the data and run directories here "
                                        "(default: a temporary directory, removed at the end)")
-    ap.add_argument("--tag", default="", help="a suffix naming this grid's run directories, "
-                                                "output files and RESULTS.md section (e.g. _lr3e-4)")
-    ap.add_argument("--out", help="JSON of every run (default: results/paper_miniature{tag}.json)")
-    ap.add_argument("--plot", help="PNG of the curves (default: results/paper_miniature{tag}.png)")
-    ap.add_argument("--results-md", help="replace this benchmark's section of this Markdown file "
-                                         "(benchmarks/RESULTS.md) with the table and plot")
+    ap.add_argument("--tag", help="names this grid's output files and RESULTS.md section "
+                                  "(default: the grid's name)")
+    ap.add_argument("--out", help="JSON of every run (default: results/paper_miniature_{tag}.json)")
+    ap.add_argument("--plot", help="PNG of the curves (default: results/paper_miniature_{tag}.png)")
+    ap.add_argument("--results-md", help="replace this grid's section of this Markdown file "
+                                         "(benchmarks/RESULTS.md) with its table and plot")
     args = ap.parse_args(argv)
+    if args.quick:
+        grid, args.grid_name = QUICK, "quick"
+        args.eval_size, args.jobs = min(args.eval_size, 128), 2
+        args.policy = args.policy or str(QUICK_POLICY)
+    elif args.grid == "custom":
+        try:
+            rows = tuple((row(n), args.seeds) for n in args.rows.split(","))
+        except ValueError as e:
+            ap.error(f"--rows: {e}")
+        grid, args.grid_name = Grid("custom", f"rows {args.rows}", rows), "custom"
+    else:
+        grid, args.grid_name = GRIDS[args.grid], args.grid
+    given = {k: getattr(args, k) for k in ("lr", "mu", "phases", "samples_per_update",
+                                           "eval_every") if getattr(args, k) is not None}
+    args.grid = replace(grid, **given)
+    args.policy = args.policy or str(GRID_POLICY)
+    args.tag = args.tag if args.tag is not None else f"_{args.grid_name.replace('-', '_')}"
     results = ROOT / "benchmarks" / "results"
     args.out = args.out or str(results / f"paper_miniature{args.tag}.json")
     args.plot = args.plot or str(results / f"paper_miniature{args.tag}.png")
-    if args.quick:
-        args.rows, args.seeds, args.mu, args.phases, args.eval_every = "mugrpo", 2, 32, 1, 0
-        args.lr, args.samples_per_update = 1e-4, 64  # what the committed policy was checked at
-        args.eval_size, args.jobs, args.uniform_compare = min(args.eval_size, 128), 2, False
-        args.phase_sweep, args.policy = "", args.policy or str(QUICK_POLICY)
-    args.policy = args.policy or str(GRID_POLICY)
-    args.updates = args.phases * args.mu
-    args.phase_sweep = [int(x) for x in args.phase_sweep.split(",") if x]
-    rows = [r for r in GRID if r.name in args.rows.split(",")]
-    unknown = set(args.rows.split(",")) - {r.name for r in GRID}
-    if unknown:
-        ap.error(f"--rows: unknown {sorted(unknown)}")
-    if args.mu % 4 or (args.mu * args.samples_per_update) % args.group_size:
+    g = args.grid
+    if g.mu % 4 or (g.mu * g.samples_per_update) % args.group_size:
         ap.error("--mu must be a multiple of 4 (GRPO's mu), and --mu x --samples-per-update of "
                  "--group-size")
-    if any(args.updates % n or (args.updates // n) % 4 for n in args.phase_sweep):
-        ap.error(f"--phase-sweep: each count must split the {args.updates} updates into phases "
-                 f"of a multiple of 4")
-    return args, rows
+    if any(g.updates % n or (g.updates // n) % 4 for n in g.phase_sweep):
+        ap.error(f"the phase sweep must split the {g.updates} updates into phases of a multiple "
+                 f"of 4")
+    return args
 
 
 def main(argv=None) -> int:
-    args, rows = parse_args(argv)
+    args = parse_args(argv)
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
@@ -256,18 +186,17 @@ def main(argv=None) -> int:
         if args.make_policy:
             make_policy(Path(args.make_policy), args, splits)
             return 0
-        policy, sft_info = starting_policy(args, work, splits)
-        print(f"SFT: {sft_info['steps']} steps in {sft_info['seconds']:.0f}s, probe pass rate "
-              f"{sft_info['probe_pass_rate']:.3f}, by operand count "
-              f"{sft_info['probe_by_operands']}", flush=True)
-        jobs, tables = jobs_for(args, rows)
-        print(f"{len(jobs)} runs of {args.updates} updates", flush=True)
+        policy, sft_info = starting_policy(args)
+        jobs, lines = jobs_for(args.grid)
+        print(f"grid {args.grid_name}: {len(jobs)} runs of {args.grid.updates} updates, from "
+              f"{policy}", flush=True)
 
         def one(job: Job):
             r = run_job(job, policy, data, work / "runs" / f"{job.key}{args.tag}_s{job.seed}", args)
             print(f"[{job.key} seed {job.seed}] held-out {r['evals'][0][1]:.3f} -> "
-                  f"{r['evals'][-1][1]:.3f}, total {r['total']:.0f}s (wall {r['wall']:.0f}s), "
-                  f"late-in-phase |log rho| {r['late_phase_abs_log_ratio']:.3f}", flush=True)
+                  f"{r['evals'][-1][1]:.3f}, {r['syncs']} syncs, total {r['total']:.0f}s (wall "
+                  f"{r['wall']:.0f}s), late-in-phase |log rho| {r['late_phase_abs_log_ratio']:.3f}",
+                  flush=True)
             return r
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each job is a subprocess
@@ -277,23 +206,21 @@ def main(argv=None) -> int:
             runs.setdefault(job.key, []).append(r)
     grid_seconds = time.perf_counter() - t_start
     summary = {key: report.summarize(rs) for key, rs in runs.items()}
-    texts = {"grid": report.grid_table(summary, tables["grid"])}
-    if "uniform" in tables:
-        texts["uniform"] = report.uniform_table(summary, tables["uniform"])
-    if "phases" in tables:
-        texts["phases"] = report.phases_table(summary, tables["phases"])
-    print("\n\n".join(texts.values()))
-    print(f"grid time {grid_seconds / 60:.1f} min (SFT {sft_info['seconds']:.0f}s)")
-    write_json(args.out, {"args": vars(args), "sft": sft_info, "grid_seconds": grid_seconds,
-                          "tables": tables, "summary": summary, "runs": runs})
+    table = report.grid_table(summary, lines)
+    print(table)
+    print(f"grid time {grid_seconds / 60:.1f} min")
+    write_json(args.out, {"args": {k: v for k, v in vars(args).items() if k != "grid"},
+                          "grid": report.as_json(args.grid), "sft": sft_info,
+                          "grid_seconds": grid_seconds, "lines": lines, "summary": summary,
+                          "runs": runs}, compact=True)
     if not args.quick:
-        report.plot(runs, tables["grid"], Path(args.plot))
+        report.plot(runs, lines, Path(args.plot))
     if args.results_md:
         cmd = "python benchmarks/paper_miniature.py " + " ".join(argv if argv is not None else sys.argv[1:])
         report.update_results_md(Path(args.results_md), report.markdown_section(
-            args, sft_info, texts, grid_seconds, cmd.strip(), ROOT), args.tag)
+            args, sft_info, table, grid_seconds, cmd.strip(), ROOT), args.tag)
     if args.quick:
-        return quick_checks(summary[tables["grid"][0][0]])
+        return quick_checks(summary[lines[0][0]])
     return 0
 
 
@@ -310,23 +237,22 @@ def policy_fingerprint(args) -> str:
     return hashlib.sha256("\n".join([*code, setting]).encode()).hexdigest()[:16]
 
 
-def starting_policy(args, work: Path, splits) -> tuple[Path, dict]:
-    """The SFT policy the grid starts from and what its SFT reported: --policy's (refused unless
-    made for this data and code), the one an earlier run left in --work-dir, or a new one."""
+def starting_policy(args) -> tuple[Path, dict]:
+    """The SFT policy the grid starts from (``--policy``, the committed one by default) and what
+    its SFT reported; SystemExit, with the command that makes it again, unless it was made for
+    this script's data and code."""
     want = policy_fingerprint(args)
-    path = Path(args.policy) if args.policy else work / "policy"
+    path = Path(args.policy)
     made = path / "sft.json"
     info = json.loads(made.read_text()) if made.exists() else {}
-    if info.get("fingerprint") == want:
-        print(f"starting from the SFT policy in {path}", flush=True)
-        return path, info
-    if args.policy:
+    if info.get("fingerprint") != want:
         raise SystemExit(
             f"--policy {path}: made for other data or SFT code (fingerprint "
             f"{info.get('fingerprint', f'none: no {made}')}, this script's {want}); make it again "
             f"with: python benchmarks/paper_miniature.py --make-policy {path} --eval-size "
             f"{args.eval_size} --sft-target {args.sft_target}")
-    return path, make_policy(path, args, splits)
+    print(f"starting from the SFT policy in {path}", flush=True)
+    return path, info
 
 
 def make_policy(path: Path, args, splits, **sft_options) -> dict:

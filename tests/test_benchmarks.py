@@ -56,7 +56,7 @@ def test_paper_miniature_quick_mode_has_a_learning_signal(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "starting from the SFT policy in" in proc.stdout
     r = json.loads(out.read_text())
-    key = r["tables"]["grid"][0][0]  # Mu-GRPO at mu 32, uniform groups kept (the default)
+    key = r["lines"][0][0]  # Mu-GRPO at mu 32, uniform groups kept (the default)
     assert key == "mugrpo_mu32_keep"
     s = r["summary"][key]
     assert s["seeds"] == 2 and 0.2 <= s["before"] <= 0.6
@@ -75,7 +75,7 @@ def test_miniature_sft_learns_and_a_stale_policy_is_refused(tmp_path):
     import miniature_task as mt
     import paper_miniature as pm
 
-    args, _ = pm.parse_args(["--eval-size", "16", "--sft-target", "0"])
+    args = pm.parse_args(["--eval-size", "16", "--sft-target", "0"])
     splits = mt.write_splits(tmp_path, seed=0, num_train=256, num_eval=16, num_probe=16)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # beside another test file
@@ -99,10 +99,10 @@ def test_miniature_sft_learns_and_a_stale_policy_is_refused(tmp_path):
                               rtol=0, atol=1e-6)
         assert whole < 0.9 * mt.sft_loss(untrained, seqs, starts, tok.pad_token_id)
     args.policy = str(tmp_path / "policy")
-    assert pm.starting_policy(args, tmp_path, splits)[0] == tmp_path / "policy"
-    other, _ = pm.parse_args(["--eval-size", "32", "--sft-target", "0", "--policy", args.policy])
+    assert pm.starting_policy(args)[0] == tmp_path / "policy"
+    other = pm.parse_args(["--eval-size", "32", "--sft-target", "0", "--policy", args.policy])
     with pytest.raises(SystemExit, match="--make-policy .* --eval-size 32"):
-        pm.starting_policy(other, tmp_path, splits)
+        pm.starting_policy(other)
 
 
 def test_phase_scale_quick_runs_the_data_path():

@@ -1,0 +1,188 @@
+"""The paper miniature's rows and its sub-grids (``paper_miniature.py --grid NAME``), each of which
+runs alone in under an hour on 2 cores.
+
+A row is a training setting (schedule, clip, veto, drift bound); a grid is a regime (learning
+rate, phase length M, phases, update size) and the rows it runs, each with its number of seeds.
+Rows that carry a claim run at least 2 seeds, the headline rows (GRPO mu=4, Mu-GRPO) 3.
+
+Two regimes:
+
+- ``today``: the 4-phase regime of the last report (lr 1.5e-4, M = 64, 256 updates of 32), where
+  Mu-GRPO drifts far within a phase. ``today-bounds`` runs Mu-GRPO with three drift bounds at one
+  seed; ``today`` the headline rows and the bound chosen from it (``CHOSEN_BOUND``) at 3 seeds;
+  ``today-scopes`` the prefix veto scope at two bounds and the two halves of the relaxed clip.
+- ``calibrated``: lr and M chosen so that the tight clip's rates match the paper's (GRPO mu=4 at
+  or below 0.1% of tokens, GRPO at large mu 0.3-0.8% at the end of a phase) while GRPO mu=4 still
+  gains at least 0.1 held-out; chosen from GRPO rows only (``CALIBRATION``), before any Mu-GRPO
+  row ran in it.
+
+``veto-scopes``, ``uniform`` and ``phase-sweep`` are the earlier ablations (veto scopes,
+uniform-group policies, phase counts) at today's regime, with 2 seeds a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    label: str
+    large_mu: bool
+    """mu = the grid's M (else 4: GRPO's)."""
+    clip: tuple[float, float]
+    """(clip_low, clip_high): [1 - low, 1 + high]."""
+    veto: str | None
+    """veto scope, None for no veto"""
+    max_drift: float | None = None
+    """algo.max_drift: a drift-bounded schedule."""
+    prefix_bound: float | None = None
+    """algo.veto_prefix_bound, for veto scope 'prefix'."""
+
+
+GRPO4 = Row("grpo_mu4", "GRPO mu=4, [0.8, 1.2]", False, (0.2, 0.2), None)
+GRPOM = Row("grpo_muM", "GRPO mu=M, [0.8, 1.2]", True, (0.2, 0.2), None)
+NOVETO = Row("relaxed_noveto", "mu=M, [0, 5], no veto", True, (1.0, 4.0), None)
+MUGRPO = Row("mugrpo", "Mu-GRPO: mu=M, [0, 5], suffix veto", True, (1.0, 4.0), "suffix")
+ROWS = {r.name: r for r in [
+    GRPO4, GRPOM, NOVETO,
+    Row("veto_trigger", "mu=M, [0, 5], veto on triggers", True, (1.0, 4.0), "trigger"),
+    MUGRPO,
+    Row("veto_suffix_no_trigger", "mu=M, [0, 5], suffix minus triggers", True, (1.0, 4.0),
+        "suffix_no_trigger"),
+    Row("veto_sequence", "mu=M, [0, 5], whole sequence", True, (1.0, 4.0), "sequence"),
+    # which side of the relaxed clip matters: the low side opened, or the high side
+    Row("clip_low_open_veto", "mu=M, [0, 1.2], suffix veto", True, (1.0, 0.2), "suffix"),
+    Row("clip_high_open_veto", "mu=M, [0.8, 5], suffix veto", True, (0.2, 4.0), "suffix"),
+]}
+
+
+def drift_row(bound: float) -> Row:
+    """Mu-GRPO with ``algo.max_drift`` = ``bound`` (phases of at most M updates)."""
+    return replace(MUGRPO, name=f"mugrpo_drift{bound:g}",
+                   label=f"Mu-GRPO, drift bound {bound:g} (mu <= M)", max_drift=bound)
+
+
+def prefix_row(bound: float) -> Row:
+    """Relaxed clip with the prefix veto scope at B = ``bound``."""
+    return Row(f"veto_prefix{bound:g}", f"mu=M, [0, 5], prefix veto B={bound:g}", True,
+               (1.0, 4.0), "prefix", prefix_bound=bound)
+
+
+def row(name: str) -> Row:
+    """A row by name: the fixed rows, ``mugrpo_drift<bound>`` and ``veto_prefix<B>``."""
+    if name in ROWS:
+        return ROWS[name]
+    for prefix, make in (("mugrpo_drift", drift_row), ("veto_prefix", prefix_row)):
+        if name.startswith(prefix):
+            try:
+                return make(float(name[len(prefix):]))
+            except ValueError:
+                break
+    raise ValueError(f"unknown row {name!r}: one of {', '.join(ROWS)}, mugrpo_drift<bound> or "
+                     f"veto_prefix<B>")
+
+
+@dataclass(frozen=True)
+class Grid:
+    name: str
+    what: str
+    """What the grid tests, for its RESULTS.md section."""
+    rows: tuple[tuple[Row, int], ...]
+    """Each row with its seeds."""
+    lr: float = 1.5e-4
+    mu: int = 64
+    """M: updates per phase of the large-mu rows."""
+    phases: int = 4
+    """Phases of the large-mu rows; every row makes phases x M updates."""
+    samples_per_update: int = 32
+    eval_every: int = 32
+    uniform_policies: tuple[str, ...] = ("keep",)
+    """algo.uniform_groups of each row (``uniform``: all three)."""
+    phase_sweep: tuple[int, ...] = ()
+    """Mu-GRPO at these phase counts, equal total updates (``phase-sweep``)."""
+
+    @property
+    def updates(self) -> int:
+        return self.phases * self.mu
+
+
+BOUNDS = (0.05, 0.08, 0.12)
+"""The drift bounds ``today-bounds`` tries: the mean |log rho| Mu-GRPO reaches after ~18, ~28
+and ~41 updates of a phase at today's regime (the last report's drift rate, ~0.003 an update),
+so that its phases last about a quarter, a half and two thirds of M = 64."""
+CHOSEN_BOUND = 0.08
+"""The bound ``today`` runs at 3 seeds: the best held-out of ``today-bounds`` (one seed each;
+benchmarks/RESULTS.md has the numbers), at most a quarter of GRPO mu=4's syncs."""
+PREFIX_BOUNDS = (4.6, 9.21)
+"""B of the prefix scope: the whole prefix may fall to a ratio of 1e-2, or of 1e-4 (the paper's
+single-token threshold, applied to the prefix)."""
+CALIBRATION = {"lr": 3e-5, "mu": 16, "phases": 8, "samples_per_update": 32}
+"""The paper-calibrated regime (see ``calibrated``): benchmarks/RESULTS.md has the calibration
+runs it was read from."""
+
+GRIDS = {g.name: g for g in [
+    Grid("today-bounds", "Mu-GRPO with three drift bounds, one seed each, to choose the bound "
+                         "the 'today' grid runs at 3 seeds",
+         tuple((drift_row(b), 1) for b in BOUNDS)),
+    Grid("today", "the headline rows at today's regime, and Mu-GRPO with the chosen drift "
+                  "bound (claim 1 with a bounded drift)",
+         ((GRPO4, 3), (GRPOM, 3), (MUGRPO, 3), (drift_row(CHOSEN_BOUND), 3))),
+    Grid("today-scopes", "the prefix veto scope at two bounds, and which side of the relaxed "
+                         "clip matters (with the suffix veto); no veto for reference",
+         tuple((prefix_row(b), 2) for b in PREFIX_BOUNDS)
+         + ((ROWS["clip_low_open_veto"], 2), (ROWS["clip_high_open_veto"], 2), (NOVETO, 2))),
+    Grid("calibrated", "the paper-calibrated regime: the paper's three rows and the relaxed "
+                       "clip without veto, read against its claims",
+         ((GRPO4, 3), (GRPOM, 2), (NOVETO, 2), (MUGRPO, 3)), eval_every=16, **CALIBRATION),
+    Grid("veto-scopes", "the veto scopes at today's regime (claim 3)",
+         tuple((ROWS[n], 2) for n in ("relaxed_noveto", "veto_trigger", "mugrpo",
+                                      "veto_suffix_no_trigger", "veto_sequence"))),
+    Grid("uniform", "the headline rows under each uniform-group policy",
+         ((GRPO4, 2), (MUGRPO, 2)), uniform_policies=("keep", "drop", "drop_once")),
+    Grid("phase-sweep", "Mu-GRPO at 2, 4, 8 and 16 phases of equal total updates",
+         (), phase_sweep=(2, 4, 8, 16)),
+]}
+PHASE_SWEEP_SEEDS = 2
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run: a row at one mu, uniform-group policy and seed."""
+
+    row: Row
+    mu: int
+    uniform: str
+    seed: int
+
+    @property
+    def key(self) -> str:
+        """The setting (what the seeds of one table line share)."""
+        return f"{self.row.name}_mu{self.mu}_{self.uniform}"
+
+    @property
+    def label(self) -> str:
+        return self.row.label.replace("mu=M", f"mu={self.mu}").replace("<= M", f"<= {self.mu}")
+
+
+def jobs_for(grid: Grid) -> tuple[list[Job], list[tuple[str, str, str, int]]]:
+    """Every run of ``grid`` and its table's lines: (setting key, label, uniform policy,
+    phases)."""
+    jobs: dict[str, Job] = {}
+    lines: list[tuple[str, str, str, int]] = []
+
+    def add(r: Row, mu: int, uniform: str, seeds: int, phases: int) -> None:
+        for seed in range(1, seeds + 1):
+            job = Job(r, mu, uniform, seed)
+            jobs.setdefault(f"{job.key}_s{seed}", job)
+        job = Job(r, mu, uniform, 1)
+        lines.append((job.key, job.label, uniform, phases))
+
+    for uniform in grid.uniform_policies:
+        for r, seeds in grid.rows:
+            add(r, grid.mu if r.large_mu else 4, uniform, seeds,
+                grid.phases if r.large_mu else grid.updates // 4)
+    for phases in grid.phase_sweep:
+        add(MUGRPO, grid.updates // phases, "keep", PHASE_SWEEP_SEEDS, phases)
+    return list(jobs.values()), lines
