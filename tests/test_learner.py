@@ -167,7 +167,8 @@ HOST_READS = {"logprobs": 4, "train_step": 4, "train_step_dp_local": 4}
 our code may make in one call, on any rank, whatever the numbers of microbatches, rows and
 parameters: log-probs are read back once a result (log-probs, entropy), an update's metrics and
 gradient check once (two calls: ``.cpu().tolist()``); both may add the packed rows' lengths (a
-host-side tensor) and, with expert parallelism, the DP group's longest row or most packed rows.
+host-side tensor) and, at DP > 1, the DP group's most packed rows (or, with expert parallelism,
+its longest padded row).
 Reading each microbatch's metrics (~15) and each parameter's finiteness was ~100 at 70B."""
 
 

@@ -230,18 +230,12 @@ class Learner:
 
     def _packed_microbatches(self, batch: TokenBatch, rows: range, labels, loss_mask, behav,
                              train: bool, capacity: int) -> list[_MicroBatch]:
-        """This DP rank's rows packed into rows of ``capacity`` tokens, one per microbatch."""
+        """This DP rank's rows packed into rows of ``capacity`` tokens, one per microbatch, as
+        many microbatches as every other rank of its data-parallel group runs (``_equal_count``)."""
         rows = list(rows)
         lengths = sequence_lengths(batch.response_mask[rows])
         bins = plan_bins(lengths, capacity)
-        out = []
-        if self.parallel.expert > 1 and self.layout.dp_size > 1:
-            # every MoE layer's token dispatch is a collective over the expert-parallel group,
-            # which spans data-parallel ranks: they must run as many microbatches as each other
-            # (one integer over the DP group, a superset of it), the short ones with empty rows
-            n = torch.tensor(len(bins), device=distributed.device())
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
-            out = [_filler(capacity, train) for _ in range(int(n) - len(bins))]
+        out = [_filler(capacity, train) for _ in range(self._equal_count(len(bins)) - len(bins))]
         for members in bins:
             idx = torch.tensor([rows[i] for i in members])
             lens = [lengths[i] for i in members]
@@ -253,6 +247,26 @@ class Learner:
                 behav_logp=behav[idx, :width] if behav is not None else None,
                 advantages=batch.advantages[idx].float() if train else None))
         return out
+
+    def _equal_count(self, count: int) -> int:
+        """The most microbatches any rank of this data-parallel group packed (``count`` here):
+        each runs that many, the short ones with empty rows. Per-microbatch collectives over
+        groups that span data-parallel ranks need every member to run as many microbatches:
+        Transformer Engine's FP8 amax reduction (delayed scaling, over megatron's amax group, TP
+        x DP (x CP) unless ``tp_only_amax_red``: after every grad-enabled forward, in
+        ``fp8_autocast``'s exit, and in every backward; TE 2.0-2.20, megatron-core
+        ``fp8_utils.get_fp8_context``), each MoE layer's token dispatch over the expert-parallel
+        group, and context parallelism. DP ranks pack their own rows, so their bin counts differ
+        (at the 70B shape, in 174 of 200 simulated updates, by up to 8): without this a rank
+        that finished enters the gradient reduce-scatter while another waits in an amax
+        all-reduce, until the timeout. One integer all-reduce over the DP group (within each
+        pipeline stage) a call; padded microbatches are equal in number by construction (every
+        rank holds as many rows), so only packing calls this."""
+        if self.layout.dp_size == 1:
+            return count
+        n = torch.tensor(count, device=distributed.device())
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
+        return int(n)
 
     def _run(self, microbatches: list[_MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
         def forward_step(data_iterator, model):
@@ -492,7 +506,7 @@ class Learner:
 
 def _filler(capacity: int, train: bool) -> _MicroBatch:
     """A packed microbatch of padding only: no sequence of the batch, no loss, no result row (it
-    keeps ranks that must step together in step; see ``_packed_microbatches``)."""
+    keeps ranks that must step together in step; see ``Learner._equal_count``)."""
     zeros = torch.zeros(1, capacity, dtype=torch.long)
     packed = PackedRow(tokens=zeros, position_ids=torch.arange(capacity)[None], labels=zeros,
                        lengths=[capacity], unpack=torch.arange(capacity)[None],

@@ -1,0 +1,111 @@
+"""Runs under torchrun: scaled-down copies of the shipped configs' layouts, each through a packed
+update, a padded update and a scoring pass (packed and padded log-probs), with Transformer
+Engine's per-microbatch FP8 amax reduction emulated over gloo; every rank records the collectives
+it issues per process group (``collective_log``), and rank 0 writes them all.
+
+python -m torch.distributed.run --nproc_per_node N tests/dist/collectives_worker.py HF_DIR JOBS
+
+JOBS is a JSON file: a list of {"name", "hf_dir", "overrides": [KEY=VALUE, ...], "out"}. The
+rows are dealt so that the data-parallel ranks hold very different lengths (rank 0 long
+sequences, the last rank short ones): packed, their ranks make different numbers of bins, which
+``Learner._equal_count`` must even out. Each OUT gets result.json: per step, every rank's log,
+the amax reductions the emulation made, and the bins each rank packed before evening out.
+"""
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
+from collective_log import CollectiveLog, te_amax_emulation  # noqa: E402
+
+from mugrpo_megatron.config.loader import load_config  # noqa: E402
+from mugrpo_megatron.learner.learner import Learner  # noqa: E402
+from mugrpo_megatron.learner.packing import plan_bins, sequence_lengths  # noqa: E402
+from mugrpo_megatron.types import TokenBatch, TrainBatch  # noqa: E402
+
+
+def rows_for(rank: int, ranks: int, n: int, vocab: int, seed: int) -> TrainBatch:
+    """``n`` rows for data-parallel rank ``rank`` of ``ranks``: the first rank's about 3x as
+    long as the last's, with responses of varied lengths and wide behaviour log-probs."""
+    g = torch.Generator().manual_seed(seed + rank)
+    longest = 30 - 20 * rank // max(ranks - 1, 1)
+    seq = 32
+    tokens = torch.zeros(n, seq, dtype=torch.long)
+    resp = torch.zeros(n, seq, dtype=torch.bool)
+    for b in range(n):
+        length = int(torch.randint(max(4, longest // 2), longest + 1, (1,), generator=g))
+        tokens[b, :length] = torch.randint(3, vocab, (length,), generator=g)
+        resp[b, 3:length] = True
+    behav = torch.where(resp, torch.rand(n, seq, generator=g) * 6 - 5, torch.zeros(n, seq))
+    return TrainBatch(tokens, resp, behav, torch.randn(n, generator=g))
+
+
+def gathered(log) -> list:
+    """Every rank's log, in rank order, on every rank (one object all-gather, outside the log)."""
+    mine = {"calls": log.calls, "p2p": log.p2p}
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return everyone
+
+
+def run_job(job: dict) -> None:
+    cfg = load_config(None, [f"model.path={job['hf_dir']}", "model.dtype=float32",
+                             *job["overrides"]])
+    learner = Learner.from_config(cfg)
+    layout = learner.layout
+    per_rank = cfg.algo.samples_per_update // layout.dp_size
+    mine = rows_for(layout.dp_rank, layout.dp_size, per_rank, learner.spec.vocab_size, seed=3)
+    whole = [rows_for(r, layout.dp_size, per_rank, learner.spec.vocab_size, seed=3)
+             for r in range(layout.dp_size)]
+    scoring = TokenBatch(torch.cat([b.tokens for b in whole]),
+                         torch.cat([b.response_mask for b in whole]))
+    capacity = learner.pack_capacity
+    bins = len(plan_bins(sequence_lengths(mine.response_mask), capacity)) if capacity else 0
+    result = {"steps": {}, "bins": None}
+    steps = {"update_packed": lambda: learner.train_step(mine, dp_local=True),
+             "score_packed": lambda: learner.logprobs(scoring),
+             "score_padded": lambda: learner.logprobs(scoring, packed=False),
+             "update_padded": lambda: padded_update(learner, mine)}
+    if not capacity:
+        steps = {k: v for k, v in steps.items() if "packed" not in k}
+    for name, step in steps.items():
+        with te_amax_emulation(learner) as amax, CollectiveLog() as log:
+            out = step()
+        if name.startswith("update"):
+            assert not out.skipped, (name, out.reason)
+        result["steps"][name] = {"logs": gathered(log), "amax": amax}
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, bins)
+    result["bins"] = every
+    if torch.distributed.get_rank() == 0:
+        Path(job["out"]).write_text(json.dumps(result))
+    torch.distributed.barrier()
+
+
+def padded_update(learner, batch):
+    """The update with packing turned off for this call (the learner reads its capacity at each
+    call)."""
+    own = learner.pack_capacity
+    learner.pack_capacity = 0
+    try:
+        return learner.train_step(batch, dp_local=True)
+    finally:
+        learner.pack_capacity = own
+
+
+def main() -> None:
+    from megatron.core import parallel_state as mpu
+
+    for job in json.loads(Path(sys.argv[1]).read_text()):
+        run_job(job)
+        gc.collect()
+        mpu.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Every member of every process group issues the same collectives in the same order, in every
+layout the shipped configs use (scaled down to gloo ranks on CPU), packed and padded, in an
+update and in a scoring pass: the rule whose breaking hangs a GPU job until its timeout.
+
+Transformer Engine's per-microbatch FP8 amax all-reduce (over TP x DP, after every grad-enabled
+forward and in every backward) is emulated (``collective_log.te_amax_emulation``), and the
+data-parallel ranks hold rows of very different lengths, so that packed they make different
+numbers of bins. Before ``Learner._equal_count`` the 70B FP8 config would hang at its first update
+this way (a rank with fewer microbatches in the gradient reduce-scatter, the others in an amax
+all-reduce); here, with parallel.timeout_minutes = 1, that is a gloo timeout within a minute.
+"""
+
+import json
+
+import pytest
+from collective_log import mismatches
+from helpers import ROOT, torchrun
+
+from mugrpo_megatron.models.tiny import make_tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+WORKER = ROOT / "tests" / "dist" / "collectives_worker.py"
+COMMON = ["parallel.micro_batch_size=2", "algo.samples_per_update=16", "algo.total_updates=4",
+          "algo.updates_per_phase=4", "optim.lr=1e-3", "parallel.pack_tokens=64",
+          "parallel.pad_tokens_to=16", "data.max_prompt_tokens=16", "rollout.max_new_tokens=16",
+          "parallel.timeout_minutes=1"]
+# ranks -> [(shipped config, tiny family, its layout scaled down)]
+LAYOUTS = {
+    2: [("qwen2.5-math-1.5b_8xh100 (DP8 -> DP2)", "llama",
+         ["parallel.distributed_optimizer=true"])],
+    4: [("qwen2.5-math-7b_8xh100 (TP2 SP x DP4 -> TP2 SP x DP2)", "qwen2",
+         ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
+        ("qwen3-30b-a3b_2x8xh100 (DP16 EP8 -> DP4 EP2)", "qwen3_moe",
+         ["parallel.expert=2", "parallel.distributed_optimizer=true"])],
+    8: [("llama-3.1-70b_8x8xh100_fp8 (TP8 SP x PP4 x DP2 -> TP2 SP x PP2 x DP2)", "llama",
+         ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2",
+          "parallel.distributed_optimizer=true"])],
+}
+CASES = [(ranks, i) for ranks, jobs in LAYOUTS.items() for i in range(len(jobs))]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("collectives")
+    out = {}
+    for ranks, jobs in LAYOUTS.items():
+        spec = []
+        for i, (_, family, overrides) in enumerate(jobs):
+            hf = d / family
+            if not (hf / "config.json").exists():
+                make_tiny_checkpoint(hf, family, seed=2)
+            spec.append({"hf_dir": str(hf), "overrides": [*COMMON, *overrides],
+                         "out": str(d / f"{ranks}_{i}.json")})
+        (d / f"jobs_{ranks}.json").write_text(json.dumps(spec))
+        torchrun(ranks, WORKER, str(d / f"jobs_{ranks}.json"), timeout=900)
+        for i in range(len(jobs)):
+            out[ranks, i] = json.loads((d / f"{ranks}_{i}.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize("ranks, job", CASES, ids=[LAYOUTS[r][i][0].split(" ")[0]
+                                                   for r, i in CASES])
+def test_every_group_member_issues_the_same_collectives(results, ranks, job):
+    got = results[ranks, job]
+    assert set(got["steps"]) == {"update_packed", "update_padded", "score_packed",
+                                 "score_padded"}
+    for step, r in got["steps"].items():
+        assert mismatches(r["logs"]) == [], step
+        calls = sum(len(c) for log in r["logs"] for c in log["calls"].values())
+        assert calls > 0, step
+        # the emulated FP8 amax reduction runs with grad on only, as TE's does
+        if step.startswith("update"):
+            assert r["amax"]["forward"] > 0 and r["amax"]["backward"] > 0, (step, r["amax"])
+        else:
+            assert r["amax"] == {"forward": 0, "backward": 0}, step
+    # the data-parallel ranks packed different numbers of bins: the case that hung
+    assert len(set(got["bins"])) > 1, got["bins"]
+
+
+def test_the_guard_sees_a_rank_that_skips_a_collective():
+    """``mismatches`` itself: a member that issued one collective fewer, or a send nobody
+    received, is named (the check cannot pass vacuously)."""
+    same = {"calls": {"g:0,1": [["all_reduce", [[[4], "float32"]]]]}, "p2p": {}}
+    fewer = {"calls": {"g:0,1": []}, "p2p": {}}
+    assert mismatches([same, same]) == []
+    assert "rank 0 issued 1 collectives, rank 1 0" in mismatches([same, fewer])[0]
+    sent = {"calls": {}, "p2p": {"1:send": [[[2], "float32"]]}}
+    assert "sent 1 tensors to rank 1" in mismatches([sent, {"calls": {}, "p2p": {}}])[0]
