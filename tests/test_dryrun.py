@@ -153,3 +153,31 @@ def test_a_bad_layout_is_refused_before_any_process_group(tmp_path, command, cap
                      "--set", "parallel.tensor=2"]) == 2
         assert "parallel.sequence_parallel: megatron-core needs it" in capsys.readouterr().err
         assert not dist.is_initialized() and not run.exists()
+
+
+@pytest.mark.parametrize("name, world, per_node, arch", CONFIGS)
+def test_every_config_runs_the_checks_it_promises(name, world, per_node, arch):
+    """At its documented world size every shipped config's checks score rows on every
+    data-parallel rank: the mismatch check (rollout.mismatch_check_samples, after each sync) and,
+    where the learner packs on a GPU (pack_tokens auto with TE), the packing check. At DP16 the
+    30B-A3B config's 4 and 8 rows were cut to 0 by a multiple of DP, and both checks returned
+    None without a word."""
+    from mugrpo_megatron.layout import pack_capacity, token_multiple
+    from mugrpo_megatron.phase.checks import PACKING_CHECK_ROWS, spread_rows
+
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    dp = cfg.parallel.data_parallel(int(world))
+    samples = cfg.algo.prompts_per_phase * cfg.rollout.group_size
+    checks = {"mismatch": cfg.rollout.mismatch_check_samples}
+    if pack_capacity(cfg.parallel, cfg.max_sequence_tokens, thd=True,
+                     multiple=token_multiple(cfg.model, cfg.parallel)):
+        checks["packing"] = PACKING_CHECK_ROWS
+    assert checks["mismatch"] > 0, "every shipped config checks the train/inference gap"
+    for check, n in checks.items():
+        rows = spread_rows(samples, n, dp)
+        assert len(rows) >= max(n, dp) and len(rows) % dp == 0, (check, len(rows), dp)
+        assert len(set(rows.tolist())) == len(rows)  # distinct rows where the phase has them
+        assert rows.min() >= 0 and rows.max() < samples
+    # a phase smaller than the data-parallel size still gives every rank a row (repeated)
+    assert len(spread_rows(3, 4, 16)) == 16 and set(spread_rows(3, 4, 16).tolist()) == {0, 1, 2}
+    assert len(spread_rows(samples, 0, dp)) == 0  # the check turned off
