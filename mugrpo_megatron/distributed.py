@@ -63,19 +63,27 @@ def host() -> str:
 
 
 def agree(error: str) -> str:
-    """The first failing rank's error on every rank ('' when none failed). Collective: what ends
+    """The failing ranks' errors on every rank ('' when none failed). Collective: what ends
     work that ranks did on their own, so that one rank's failure makes every rank raise the same
-    error instead of leaving the others waiting in a collective."""
+    error instead of leaving the others waiting in a collective. One rank's error alone is
+    given as it is; several are named by rank, up to three different ones (the others that
+    failed the same way counted), so that a rank's cause is not hidden behind another's
+    timeout that it caused."""
     _, size = world()
     if size == 1:
         return error
     errors: list = [None] * size
     dist.all_gather_object(errors, error)
     failed = [(r, e) for r, e in enumerate(errors) if e]
-    if not failed:
-        return ""
-    r, e = failed[0]
-    return e if len(failed) == 1 else f"rank {r}: {e} (and {len(failed) - 1} more ranks failed)"
+    if len(failed) <= 1:
+        return failed[0][1] if failed else ""
+    by_error: dict[str, list[int]] = {}
+    for r, e in failed:
+        by_error.setdefault(e, []).append(r)
+    parts = [f"rank {ranks[0]}{f' (and {len(ranks) - 1} more)' if len(ranks) > 1 else ''}: {e}"
+             for e, ranks in list(by_error.items())[:3]]
+    rest = len(by_error) - 3
+    return "; ".join(parts) + (f"; and {rest} other errors" if rest > 0 else "")
 
 
 class Failure:

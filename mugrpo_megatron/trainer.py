@@ -434,7 +434,7 @@ def train(cfg: Config, start: str) -> int:
     try:
         trainer = Trainer(cfg, start)
         trainer.run()
-    except (RunFailed, DiskFull, distributed.RemoteFailure) as e:
+    except (RunFailed, DiskFull, distributed.RemoteFailure, EngineFailed) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     except RuntimeError as e:

@@ -3,7 +3,10 @@ layout the shipped configs use (scaled down to gloo ranks on CPU), packed and pa
 update and in a scoring pass: the rule whose breaking hangs a GPU job until its timeout.
 
 Transformer Engine's per-microbatch FP8 amax all-reduce (over TP x DP, after every grad-enabled
-forward and in every backward) is emulated (``collective_log.te_amax_emulation``), and the
+forward and in every backward) is emulated (``collective_log.te_amax_emulation``); the learner
+starts as an FP8 delayed-scaling one does, so that its first scoring pass runs one calibrating
+grad-enabled forward (the no-grad passes before the first update otherwise quantize with TE's
+initial scale of 1.0); and the
 data-parallel ranks hold rows of very different lengths, so that packed they make different
 numbers of bins. Before ``Learner._equal_count`` the 70B FP8 config would hang at its first update
 this way (a rank with fewer microbatches in the gradient reduce-scatter, the others in an amax
@@ -68,9 +71,12 @@ def test_every_group_member_issues_the_same_collectives(results, ranks, job):
         assert mismatches(r["logs"]) == [], step
         calls = sum(len(c) for log in r["logs"] for c in log["calls"].values())
         assert calls > 0, step
-        # the emulated FP8 amax reduction runs with grad on only, as TE's does
+        # the emulated FP8 amax reduction runs with grad on only, as TE's does: in updates, and
+        # in the one calibrating forward of the first scoring pass before any update
         if step.startswith("update"):
             assert r["amax"]["forward"] > 0 and r["amax"]["backward"] > 0, (step, r["amax"])
+        elif step == "score_packed":
+            assert r["amax"] == {"forward": 1, "backward": 0}, (step, r["amax"])
         else:
             assert r["amax"] == {"forward": 0, "backward": 0}, step
     # the data-parallel ranks packed different numbers of bins: the case that hung

@@ -8,13 +8,19 @@ import inspect
 import pytest
 import torch
 
+from mugrpo_megatron.engines import compat_torch
 from mugrpo_megatron.learner import compat_megatron
 
 
 def resolve(entry: str):
+    """The object ``module:attr.sub`` names; an attribute a class only declares (an annotation,
+    set per instance) counts as there."""
     module, _, attr = entry.partition(":")
     obj = importlib.import_module(module)
     for part in attr.split("."):
+        if isinstance(obj, type) and not hasattr(obj, part) and any(
+                part in getattr(k, "__annotations__", {}) for k in obj.__mro__):
+            return obj
         obj = getattr(obj, part)
     return obj
 
@@ -113,6 +119,11 @@ def vllm_symbols():
     from mugrpo_megatron.engines import compat_vllm
 
     return compat_vllm.UPSTREAM_SYMBOLS
+
+
+@pytest.mark.parametrize("entry", compat_torch.UPSTREAM_SYMBOLS)
+def test_torch_symbols_are_where_the_engines_expect(entry):
+    resolve(entry)
 
 
 @pytest.mark.parametrize("entry", vllm_symbols())

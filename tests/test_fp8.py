@@ -69,3 +69,49 @@ def test_model_dims_are_checked_against_the_fp8_rule():
                                 "vocab_size": 256})
     with pytest.raises(ValueError, match=r"linear_fc2 .* weight shape \[96, 100\]"):
         check_model_dims(odd, ParallelConfig(tensor=2))
+
+
+def _fake_te(root, pytorch_part: str):
+    """A ``transformer_engine`` package like TE 2.x's: its top level swallows an ImportError of
+    its PyTorch part (``transformer_engine/__init__.py``, TE 2.0-2.20)."""
+    pkg = root / "transformer_engine"
+    (pkg / "pytorch").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("try:\n    from . import pytorch\nexcept ImportError:\n"
+                                     "    pass\n")
+    (pkg / "pytorch" / "__init__.py").write_text(pytorch_part)
+    return root
+
+
+@pytest.mark.parametrize("part, want", [
+    ("", True),  # TE that imports: the learner runs it
+    ("raise ImportError('transformer_engine_torch.so: undefined symbol: _ZN3c1017SymbolA')",
+     "does not import"),
+])
+def test_transformer_engine_is_used_only_when_its_pytorch_part_imports(tmp_path, monkeypatch,
+                                                                       part, want):
+    """A TE built against another torch (pip's isolated build) imports at the top and fails in
+    its PyTorch part; the check used to import only the top and say yes, and the 7B and 30B
+    configs then died in megatron's spec builder (NameError: TESpecProvider). Now it proves
+    ``transformer_engine.pytorch`` imports, and says how to fix a broken one. No GPU: no TE."""
+    import sys
+
+    from mugrpo_megatron.learner.fp8 import transformer_engine_ready
+
+    monkeypatch.syspath_prepend(str(_fake_te(tmp_path, part)))
+    for name in [m for m in sys.modules if m.startswith("transformer_engine")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    import transformer_engine  # noqa: F401 - the top level imports either way
+
+    if want is True:
+        assert transformer_engine_ready() is True
+    else:
+        with pytest.raises(ValueError, match=want) as e:
+            transformer_engine_ready()
+        assert "--no-build-isolation" in str(e.value) and "undefined symbol" in str(e.value)
+        with pytest.raises(ValueError, match=want):
+            fp8_kwargs(ModelConfig(dtype="bfloat16", fp8_format="hybrid"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert transformer_engine_ready() is False  # no GPU: megatron's local layers
+    for name in [m for m in sys.modules if m.startswith("transformer_engine")]:
+        monkeypatch.delitem(sys.modules, name)

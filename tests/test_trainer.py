@@ -361,6 +361,55 @@ def test_drift_bound_ends_phases_and_resumes_where_it_ended(setup):
             assert (run / "rollouts" / phase / "index.arrow").stat().st_mtime_ns == mtime
 
 
+# Put into every process of a run through PYTHONPATH; acts in rank 1 only.
+SHORT_OF_MEMORY = """
+import os
+if os.environ.get("RANK") == "1":  # another process holds this rank's memory
+    from mugrpo_megatron.engines import fleet
+    fleet.free_memory = lambda: (2**20, 80 * 2**30, "GPU 1")
+"""
+FAILS_TO_START = """
+import os
+if os.environ.get("RANK") == "1":  # the engine fails inside its start, as vLLM does on a busy GPU
+    import vllm
+
+    def refuse(self, *args, **kwargs):
+        raise ValueError("Free memory on device cuda:1 (1.1/79.6 GiB) on startup is less than "
+                         "desired GPU memory utilization (0.6, 47.8 GiB)")
+
+    vllm.LLM.__init__ = refuse
+"""
+
+
+def run_with_hook(d: Path, name: str, hook: str, hf, extra: dict) -> tuple[str, float]:
+    """A run with ``hook`` as every process's sitecustomize: its log, and how long it took."""
+    where = d / f"{name}_hook"
+    where.mkdir()
+    (where / "sitecustomize.py").write_text(hook)
+    path = os.pathsep.join(filter(None, [str(where), os.environ.get("PYTHONPATH")]))
+    t0 = time.monotonic()
+    log = run_to_end(hf, d / name, extra, env={"PYTHONPATH": path}, expect=1)
+    return log, time.monotonic() - t0
+
+
+def test_one_rank_that_cannot_start_its_engine_stops_every_rank_soon(setup):
+    """Rank 1 of 2 cannot start its engine. Short of memory before the start: every rank checks
+    its own and the ranks agree before any engine starts, so both stop at once, naming rank 1.
+    Failing inside the start (vLLM's own memory check): rank 0 waits in vLLM's start
+    collectives for rollout.start_timeout_minutes (here 30 s), not parallel.timeout_minutes
+    (180 minutes; the run used to wait that long there), and says so."""
+    d, hf, _ = setup
+    log, seconds = run_with_hook(d, "short_of_memory", SHORT_OF_MEMORY, hf, PHASE_END_SAVES)
+    assert "the rollout engine cannot start: RuntimeError: rank 1:" in log, log[-4000:]
+    assert "GPU 1 on" in log and "another process may hold it" in log
+    assert seconds < 240, seconds
+    log, seconds = run_with_hook(d, "fails_to_start", FAILS_TO_START, hf,
+                                 {"rollout.start_timeout_minutes": 0.5, **PHASE_END_SAVES})
+    assert "Free memory on device cuda:1" in log, log[-4000:]
+    assert "rollout.start_timeout_minutes = 0.5" in log and "rank 1: ValueError" in log, log[-4000:]
+    assert seconds < 300, seconds
+
+
 def worker_pid(launcher: int, rank: int) -> int:
     """The torchrun worker of ``rank`` (a child of the launcher, with RANK in its environment)."""
     for pid in descendants(launcher):

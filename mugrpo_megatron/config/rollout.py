@@ -62,6 +62,16 @@ class RolloutConfig(Section):
     of this many (0: rollout.shard_prompts), each waiting for its slowest response."""
     eval_samples: int = 1
     """Responses per held-out prompt in evaluation (k of mean@k and pass@k); 1 decodes greedily."""
+    start_timeout_minutes: float = 30.0
+    """Timeout of the collectives an engine's start runs across ranks (vLLM with placement spmd:
+    making its process groups over the job's ranks, and a MIN all-reduce of every rank's free
+    memory after its memory profile); once started, the engine's groups take
+    parallel.timeout_minutes. A rank whose engine fails inside its start leaves the others
+    waiting in those collectives: they stop after this long, not after the run's timeout. What
+    can be checked before any engine starts is checked on every rank and agreed on first (free
+    GPU memory against gpu_memory_utilization; on CPU the available memory against
+    cpu_kv_cache_gib), so that failure stops every rank at once. A start compiles the model and
+    captures CUDA graphs: allow it minutes."""
     mismatch_check_samples: int = 4
     """Engine samples re-scored by the learner after each weight sync (train/infer log-prob gap);
     0 turns the check off."""
@@ -70,7 +80,8 @@ class RolloutConfig(Section):
 
     def __post_init__(self) -> None:
         self._positive("tensor_parallel", "group_size", "max_new_tokens", "cpu_kv_cache_gib",
-                       "weight_bucket_mb", "shard_prompts", "eval_samples")
+                       "start_timeout_minutes", "weight_bucket_mb", "shard_prompts",
+                       "eval_samples")
         self._non_negative("mismatch_check_samples", "max_inflight_prompts", "max_num_seqs")
         if not 0 < self.temperature:
             self._fail("temperature", "must be > 0")

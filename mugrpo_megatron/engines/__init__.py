@@ -13,7 +13,8 @@ __all__ = ["Generation", "RolloutEngine", "SamplingSpec", "WeightSyncStats", "ma
 
 def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
                 trust_remote_code: bool = False, spmd: bool = False, load_weights: bool = True,
-                timeout_minutes: float | None = None) -> RolloutEngine:
+                timeout_minutes: float | None = None,
+                start_timeout_minutes: float | None = None) -> RolloutEngine:
     """Start the engine named by ``rollout.engine`` on the HF checkpoint in ``model_dir``.
 
     ``max_model_len`` (prompt + response) is capped at the model's ``max_position_embeddings``:
@@ -23,7 +24,9 @@ def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_mo
     the config and tokenizer from ``model_dir`` and starts with placeholder weights (the engines'
     'dummy' load format), which the first ``update_weights`` replaces: at 70B that saves reading
     141 GB per node from shared storage at every start. ``timeout_minutes`` is given to the
-    engine's own process groups (None: torch's defaults, 10 minutes for NCCL)."""
+    engine's own process groups (None: torch's defaults, 10 minutes for NCCL); with
+    ``start_timeout_minutes`` (vLLM) they start with that one, for the collectives of the start,
+    and take ``timeout_minutes`` once it is done."""
     spec = read_model_spec(model_dir)
     if spec.max_position_embeddings:
         max_model_len = min(max_model_len, spec.max_position_embeddings)
@@ -32,7 +35,8 @@ def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_mo
     if cfg.engine == "vllm":
         from mugrpo_megatron.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(cfg, model_dir, spmd=spmd, **common)
+        return VLLMEngine(cfg, model_dir, spmd=spmd, start_timeout_minutes=start_timeout_minutes,
+                          **common)
     if cfg.engine == "sglang":
         if spmd:
             raise ValueError("rollout.placement: spmd is for vLLM; SGLang runs as one engine "

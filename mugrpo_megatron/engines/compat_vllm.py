@@ -23,6 +23,8 @@ read; ``tests/test_compat.py`` fails, naming the symbol, when a release moves or
 - ``group_timeout_kwargs``: the engine arguments that set the timeout of vLLM's own process
   groups (``distributed_timeout_seconds``, ``cpu_distributed_timeout_seconds``: in 0.32 and 0.33;
   an engine of a release without them keeps torch's defaults, 10 minutes for NCCL).
+- ``set_group_timeouts``: the timeout of every group vLLM made (its ``GroupCoordinator``s in
+  ``vllm.distributed.parallel_state``), raised from the start's to the run's once it started.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "vllm.platforms.cpu:CpuPlatform.check_and_update_config",
     "vllm.engine.arg_utils:EngineArgs.max_num_seqs",
     "vllm.config.scheduler:SchedulerConfig.max_num_seqs",
+    "vllm.distributed.parallel_state:GroupCoordinator",
+    "vllm.distributed.parallel_state:GroupCoordinator.device_group",
+    "vllm.distributed.parallel_state:GroupCoordinator.cpu_group",
 )
 """``module:attribute`` of every upstream name a part below patches or reads."""
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -208,3 +213,22 @@ def group_timeout_kwargs(timeout_minutes: float | None) -> dict[str, int]:
     seconds = max(1, round(timeout_minutes * 60))
     keys = ("distributed_timeout_seconds", "cpu_distributed_timeout_seconds")
     return {k: seconds for k in keys if hasattr(EngineArgs, k)}
+
+
+def set_group_timeouts(timeout_minutes: float) -> int:
+    """Give every process group vLLM made in this process (each ``GroupCoordinator`` of
+    ``vllm.distributed.parallel_state``: world, TP, PP, DP, EP..., their device and CPU groups)
+    ``timeout_minutes``; returns how many. The engine starts them with
+    ``rollout.start_timeout_minutes`` (``group_timeout_kwargs``) so that a rank that failed to
+    start stops the others soon; afterwards its tensor-parallel peers may wait in them for a
+    leader that scores and writes shards, as long as the run's timeout allows."""
+    from vllm.distributed import parallel_state
+
+    from mugrpo_megatron.engines.compat_torch import set_group_timeout
+
+    groups = {id(g): g for c in vars(parallel_state).values()
+              if isinstance(c, parallel_state.GroupCoordinator)
+              for g in (c.device_group, c.cpu_group) if g is not None}
+    for group in groups.values():
+        set_group_timeout(group, timeout_minutes)
+    return len(groups)

@@ -41,6 +41,36 @@ class EngineFailed(RuntimeError):
     """An engine failed on some rank; raised on every rank with its message."""
 
 
+def free_memory() -> tuple[int, int, str]:
+    """(free, total) bytes of the memory this rank's engine takes its budget from, and what it
+    is: the GPU (``torch.cuda.mem_get_info``), or on CPU the host's available memory."""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        return free, total, f"GPU {torch.cuda.current_device()}"
+    import psutil
+
+    mem = psutil.virtual_memory()
+    return mem.available, mem.total, "host memory"
+
+
+def start_problem(cfg: RolloutConfig) -> str:
+    """Why this rank's engine cannot start, known before any rank starts one ('' if none): less
+    free GPU memory than ``rollout.gpu_memory_utilization`` of the GPU (vLLM refuses to start
+    then: ``Free memory on device ... is less than desired GPU memory utilization``, 0.32-0.33,
+    but only inside its start, after the collectives that make its groups), or on CPU less
+    available memory than the KV cache it reserves (``rollout.cpu_kv_cache_gib``)."""
+    free, total, what = free_memory()
+    need = cfg.gpu_memory_utilization * total if torch.cuda.is_available() \
+        else cfg.cpu_kv_cache_gib * 2**30
+    if free >= need:
+        return ""
+    return (f"{what} on {distributed.host()} has {free / 2**30:.1f} GiB free of "
+            f"{total / 2**30:.1f} GiB, and the engine needs {need / 2**30:.1f} GiB (rollout."
+            + ("gpu_memory_utilization" if torch.cuda.is_available() else "cpu_kv_cache_gib")
+            + "): another process may hold it (nvidia-smi lists them); free it, or lower that "
+              "setting")
+
+
 def inflight_prompts(r: RolloutConfig, streams: bool, running: int | None) -> int:
     """How many prompts of its share a replica keeps in its engine at once (0: all of them):
     ``rollout.max_inflight_prompts``, or else, for an engine that refills its batch as groups
@@ -88,9 +118,15 @@ class EngineFleet:
               timeout_minutes: float | None = None) -> EngineFleet:
         """Start the engines of ``cfg.placement`` (collective). Without ``load_weights`` they
         start with placeholder weights and refuse to generate until ``update_weights`` ran
-        (see ``make_engine``)."""
+        (see ``make_engine``). First every rank that hosts one checks what it can before any
+        starts (``start_problem``) and the ranks agree, so that one rank's problem stops them all
+        at once; the engines' own start collectives time out after
+        ``rollout.start_timeout_minutes``, their groups after ``timeout_minutes`` once started."""
         rank, world = distributed.world()
         where = placement(cfg, world, launcher_ranks_per_node())
+        with distributed.agreed(EngineFailed, "the rollout engine cannot start: {}".format):
+            if where.hosts(rank) and (problem := start_problem(cfg)):
+                raise RuntimeError(f"rank {rank}: {problem}")
         engine = None
         try:
             with distributed.agreed(EngineFailed, "the rollout engine did not start: {}".format):
@@ -102,7 +138,8 @@ class EngineFleet:
                                          max_model_len=max_model_len,
                                          trust_remote_code=trust_remote_code,
                                          spmd=where.kind == "spmd", load_weights=load_weights,
-                                         timeout_minutes=timeout_minutes)
+                                         timeout_minutes=timeout_minutes,
+                                         start_timeout_minutes=cfg.start_timeout_minutes)
         except EngineFailed:
             if engine is not None:  # started here, but another rank's did not
                 engine.shutdown()

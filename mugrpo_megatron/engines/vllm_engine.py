@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from mugrpo_megatron.config import RolloutConfig
+from mugrpo_megatron.distributed import is_collective_timeout
 from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
 from mugrpo_megatron.engines.compat_torch import torch_state_kept
 from mugrpo_megatron.engines.compat_vllm import (
@@ -38,6 +39,7 @@ from mugrpo_megatron.engines.compat_vllm import (
     quiet_expected_reload_warnings,
     refresh_tied_lm_head,
     repack_cpu_experts,
+    set_group_timeouts,
     shutdown_in_process,
 )
 
@@ -47,7 +49,7 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
                  trust_remote_code: bool = False, spmd: bool = False, load_weights: bool = True,
-                 timeout_minutes: float | None = None):
+                 timeout_minutes: float | None = None, start_timeout_minutes: float | None = None):
         on_gpu = torch.cuda.is_available()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: see the module docstring
         if not on_gpu:
@@ -66,7 +68,10 @@ class VLLMEngine(RolloutEngine):
             kwargs.update(max_num_seqs=cfg.max_num_seqs)
         if spmd:
             kwargs.update(distributed_executor_backend="external_launcher")
-        kwargs.update(group_timeout_kwargs(timeout_minutes))
+        # its groups start with the start's timeout: a rank that fails to start stops the others
+        # in their start collectives after that long (rollout.start_timeout_minutes)
+        starting = start_timeout_minutes if timeout_minutes is not None else None
+        kwargs.update(group_timeout_kwargs(starting or timeout_minutes))
         if on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
                           enable_sleep_mode=cfg.sleep_between_phases)
@@ -76,7 +81,18 @@ class VLLMEngine(RolloutEngine):
             kwargs.update(enable_chunked_prefill=False)
         self._spmd = spmd
         with learner_world_kept(private=not spmd), torch_state_kept(), launcher_env_kept():
-            self.llm = LLM(**kwargs)
+            try:
+                self.llm = LLM(**kwargs)
+            except RuntimeError as e:  # a store-based barrier's DistStoreError is one too
+                if starting and (is_collective_timeout(e) or "Timed out" in str(e)
+                                 or isinstance(e, torch.distributed.DistStoreError)):
+                    raise RuntimeError(
+                        f"the engine's start waited rollout.start_timeout_minutes = "
+                        f"{starting:g} for another rank, which did not start (see its error) "
+                        f"({type(e).__name__}: {str(e)[:300]})") from None
+                raise
+        if starting:
+            set_group_timeouts(timeout_minutes)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self._broken = ""
 

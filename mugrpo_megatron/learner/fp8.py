@@ -1,7 +1,7 @@
-"""FP8 training through Transformer Engine: the checks and megatron-core ``TransformerConfig``
-fields of ``model.fp8_format`` / ``fp8_recipe``.
+"""Transformer Engine: whether the learner runs it, and FP8 training through it (the checks and
+megatron-core ``TransformerConfig`` fields of ``model.fp8_format`` / ``fp8_recipe``).
 
-TE is imported here only, and only when FP8 is asked for. Formats: 'e4m3' everywhere, or
+TE is imported here only (``transformer_engine_ready``), and only on a GPU. Formats: 'e4m3' everywhere, or
 'hybrid' (e4m3 forward, e5m2 gradients). Recipes: 'delayed' (amax history), 'tensorwise'
 (current per-tensor scaling), 'blockwise' and 'mxfp8' (need a TE that has them; mxfp8 needs
 Blackwell). The shapes an FP8 GEMM accepts are the layout's rules (``layout.shapes``).
@@ -9,6 +9,7 @@ Blackwell). The shapes an FP8 GEMM accepts are the layout's rules (``layout.shap
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -18,23 +19,51 @@ from mugrpo_megatron.config import ModelConfig
 _MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
 
 
+TE_BROKEN = (
+    "Transformer Engine is installed but its PyTorch part does not import ({}). Its "
+    "transformer_engine_torch package is a source distribution compiled at install: installed "
+    "without --no-build-isolation it is built against the newest torch in pip's build "
+    "environment instead of the installed one, and fails to load. Reinstall it against this "
+    "environment's torch (README, 'Running on GPUs': pip install --no-build-isolation "
+    "'transformer-engine[pytorch]...'), or uninstall transformer-engine to train without it "
+    "(megatron's local layers: no FP8, no packing through THD).")
+
+
+def transformer_engine_ready() -> bool:
+    """Whether the learner runs Transformer Engine's layers: on a GPU where TE's PyTorch part
+    imports. False without a GPU or without TE; ValueError (``TE_BROKEN``) where TE is installed
+    and ``transformer_engine.pytorch`` fails to import: ``import transformer_engine`` alone
+    succeeds then (its top-level package swallows the PyTorch part's ImportError, TE 2.x), and
+    megatron-core's TE spec would die later with ``NameError: TESpecProvider``."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError) as e:
+        raise ValueError(TE_BROKEN.format(f"{type(e).__name__}: {e}")) from None
+    return True
+
+
 def fp8_kwargs(model: ModelConfig) -> dict[str, Any]:
     """megatron-core FP8 options for ``model.fp8_format``/``fp8_recipe``; ValueError when the
     machine cannot run them."""
     if not torch.cuda.is_available():
         raise ValueError(f"model.fp8_format: FP8 training needs a CUDA GPU, and none is visible "
                          f"(got {model.fp8_format!r})")
-    try:
-        import transformer_engine  # noqa: F401
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError as e:
-        raise ValueError(f"model.fp8_format: FP8 training needs Transformer Engine "
-                         f"(pip install 'transformer-engine[pytorch]'): {e}") from None
+    if not transformer_engine_ready():
+        raise ValueError("model.fp8_format: FP8 training needs Transformer Engine, which is not "
+                         "installed (README, 'Running on GPUs')")
     need = _MIN_CAPABILITY[model.fp8_recipe]
     have = torch.cuda.get_device_capability()
     if have < need:
         raise ValueError(f"model.fp8_recipe: {model.fp8_recipe!r} needs compute capability "
                          f"{need[0]}.{need[1]} or newer; this GPU has {have[0]}.{have[1]}")
+    # tp_only_amax_red stays off (megatron's default): the amax is reduced over TP x DP, so
+    # every data-parallel replica quantizes with the same scales, and a checkpoint's FP8 state
+    # (one replica's, restored on all) is every replica's. It costs an all-reduce of a few KB
+    # across DP per microbatch, which every DP rank joins as often as the others because each
+    # runs as many microbatches (Learner._equal_count); that rule is needed anyway for MoE
+    # dispatch and context parallelism, so reducing over TP only would buy no safety.
     return {"fp8": model.fp8_format, "fp8_recipe": model.fp8_recipe, "fp8_margin": 0,
             "fp8_amax_history_len": 1024 if model.fp8_recipe == "delayed" else 1,
-            "fp8_amax_compute_algo": "max"}
+            "fp8_amax_compute_algo": "max", "tp_only_amax_red": False}

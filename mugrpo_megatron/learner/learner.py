@@ -146,6 +146,10 @@ class Learner:
         self.pack_capacity = pack_capacity(parallel, max_sequence_tokens, self.uses_thd,
                                            self.token_multiple)
         """Tokens of a packed microbatch row; 0 pads instead (``parallel.pack_tokens``)."""
+        self._fp8_uncalibrated = model.fp8_format is not None and model.fp8_recipe == "delayed"
+        """Delayed scaling sets FP8 scales from the amax history only in grad-enabled passes
+        (TE's ``autocast_exit``, and the backward): until one has run, a no-grad pass would
+        quantize with the initial scale of 1.0 (``_calibrate_fp8``)."""
         if self.pack_capacity and not self.uses_thd and self.spec.sliding_window:
             raise ValueError("parallel.pack_tokens: a sliding-window model packs only with "
                              "Transformer Engine (THD); set parallel.pack_tokens: 0")
@@ -370,6 +374,8 @@ class Learner:
 
         for m in self.model:
             m.eval()
+        if self._fp8_uncalibrated:
+            self._calibrate_fp8(microbatches[:1])
         results = self._run(microbatches, loss_fn, forward_only=True)
         for m in self.model:
             m.train()
@@ -378,6 +384,21 @@ class Learner:
         if with_entropy:
             ent = self._gather_rows(results, "entropy", batch)[:, :seq].contiguous()
         return logp, ent
+
+    def _calibrate_fp8(self, microbatches: list[_MicroBatch]) -> None:
+        """FP8 with delayed scaling, before a run's first update: one grad-enabled forward pass
+        of this rank's first microbatch, its output dropped (no backward, no update). Leaving
+        ``fp8_autocast`` with grad on, Transformer Engine reduces the amax over megatron's amax
+        group and sets every forward scale from it (TE 2.0-2.20 ``FP8GlobalStateManager.
+        autocast_exit``), so the no-grad passes that come before the first update (the mismatch
+        and packing checks, ``behaviour_logprobs: learner``'s scoring) quantize with calibrated
+        scales instead of 1.0. Every rank runs exactly one such forward (each has a microbatch),
+        so the amax all-reduce over TP x DP has all its members; recipes with current scaling
+        need none."""
+        with torch.enable_grad():
+            self._run(microbatches, lambda mb, output: (output.new_zeros(()), {}),
+                      forward_only=True)
+        self._fp8_uncalibrated = False
 
     def _gather_rows(self, results: list[dict], key: str, batch: TokenBatch) -> torch.Tensor:
         """Next-aligned per-row results of the last stage -> token-aligned [B, S] on every rank,
@@ -426,6 +447,7 @@ class Learner:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         results = self._run(microbatches, loss_fn, forward_only=False)
+        self._fp8_uncalibrated = False  # the grad-enabled forward set the scales
         metrics, bad = self._step_summary(results)
         lr = self.optimizer.param_groups[0]["lr"]
         if bad:

@@ -41,6 +41,7 @@ from safetensors import safe_open
 from mugrpo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
 from mugrpo_megatron.distributed import init_default_group
 from mugrpo_megatron.layout import check_model
+from mugrpo_megatron.learner.fp8 import transformer_engine_ready
 from mugrpo_megatron.models.hf_config import ModelSpec
 from mugrpo_megatron.models.mapping import map_param, shard_from_hf
 
@@ -200,14 +201,9 @@ def lr_schedule(optimizer, optim: OptimConfig, total_updates: int) -> OptimizerP
 
 
 def uses_transformer_engine(model: ModelConfig) -> bool:
-    """Whether the learner runs Transformer Engine's layer spec: on a GPU where TE imports."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the learner runs Transformer Engine's layer spec (``fp8.transformer_engine_ready``:
+    on a GPU where TE's PyTorch part imports; a broken TE is an error, not a fallback)."""
+    return transformer_engine_ready()
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):

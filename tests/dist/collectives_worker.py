@@ -8,8 +8,10 @@ python -m torch.distributed.run --nproc_per_node N tests/dist/collectives_worker
 JOBS is a JSON file: a list of {"name", "hf_dir", "overrides": [KEY=VALUE, ...], "out"}. The
 rows are dealt so that the data-parallel ranks hold very different lengths (rank 0 long
 sequences, the last rank short ones): packed, their ranks make different numbers of bins, which
-``Learner._equal_count`` must even out. Each OUT gets result.json: per step, every rank's log,
-the amax reductions the emulation made, and the bins each rank packed before evening out.
+``Learner._equal_count`` must even out. The learner starts as one with FP8 delayed scaling does
+(uncalibrated), so its first scoring pass calibrates first. Each OUT gets result.json: per step,
+every rank's log, the amax reductions the emulation made, and the bins each rank packed before
+evening out.
 """
 
 import gc
@@ -66,12 +68,13 @@ def run_job(job: dict) -> None:
     capacity = learner.pack_capacity
     bins = len(plan_bins(sequence_lengths(mine.response_mask), capacity)) if capacity else 0
     result = {"steps": {}, "bins": None}
-    steps = {"update_packed": lambda: learner.train_step(mine, dp_local=True),
-             "score_packed": lambda: learner.logprobs(scoring),
+    # as a learner with FP8 delayed scaling starts: its no-grad passes before the first update
+    # first run one grad-enabled forward (Learner._calibrate_fp8), which TE's amax reduction sees
+    learner._fp8_uncalibrated = True
+    steps = {"score_packed": lambda: learner.logprobs(scoring),
              "score_padded": lambda: learner.logprobs(scoring, packed=False),
+             "update_packed": lambda: learner.train_step(mine, dp_local=True),
              "update_padded": lambda: padded_update(learner, mine)}
-    if not capacity:
-        steps = {k: v for k, v in steps.items() if "packed" not in k}
     for name, step in steps.items():
         with te_amax_emulation(learner) as amax, CollectiveLog() as log:
             out = step()
