@@ -158,3 +158,27 @@ def test_megatron_imports_without_compiling_its_fusions_on_cpu():
             "assert 'torch._inductor' not in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_upstream_names_were_checked_at_both_ends_of_each_range():
+    """Every name the compat modules reach for was found in the source of the lowest and the
+    highest release pyproject.toml admits (scripts/check_upstream.py reads the wheels and writes
+    tests/fixtures/upstream_symbols.json): a range moved or a name added without running it
+    again fails here, naming what to check. The installed ends are imported by the tests above."""
+    import json
+    import sys
+
+    from helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import check_upstream
+
+    record = json.loads(check_upstream.FIXTURE.read_text())
+    assert record["ranges"] == check_upstream.ranges(), \
+        "pyproject's ranges moved: run python scripts/check_upstream.py"
+    for dist, names in check_upstream.symbols().items():
+        versions = [k for k in record["checked"] if k.startswith(f"{dist}==")]
+        assert len(versions) == 2, (dist, versions)  # the lowest and the highest release
+        for version in versions:
+            missing = [n for n in names if not record["checked"][version].get(n)]
+            assert not missing, f"{version}: {missing} (run python scripts/check_upstream.py)"
