@@ -241,6 +241,10 @@ class Trainer:
         if self._engine_has == self.learner.num_updates:
             return 0.0
         t0 = time.perf_counter()
+        if self.offload and not self.learner.offloaded:
+            # a sync reads the weights alone: gradient buffers freed, optimizer state to the
+            # host, so that the engine's woken weights sit beside the learner's weights only
+            self.learner.offload(keep_weights=True)
         self.engines.wake(weights_only=True)  # a sleeping engine has no weights to update
         stream = iter_hf_tensors(self.learner.chunks(), self.learner.spec,
                                  bucket_bytes=self.cfg.rollout.weight_bucket_mb << 20)
@@ -271,6 +275,8 @@ class Trainer:
     def optimize(self, phase: Phase, data: PhaseData, rec: PhaseRecord) -> None:
         """The phase's updates, from where a resume left off, until it has run its mu updates or
         the drift bound ends it (``algo.max_drift``); checkpoints; per-update metrics."""
+        if self.learner.offloaded:  # after a sync alone (a resumed phase, no held-out set)
+            rec.switch_seconds += self.learner.onload().seconds
         drift = DriftBound(self.cfg.algo, self.state.drift_window)  # a resume's, or empty
         first = max(self.start_update, phase.first_update)
         updates = data.updates(self.schedule, phase, first,
@@ -376,7 +382,7 @@ class Trainer:
             return
         values = {"transition": transition, "phase": phase, "engine": self.engines.memory
                   if getattr(self, "engines", None) is not None else "starting",
-                  "learner_on_device": not self.learner.offloaded}
+                  "learner_on_device": self.learner.on_device}
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
             values.update(device_used_gib=(total - free) / 2**30,

@@ -266,6 +266,13 @@ def test_offload_to_host_and_back_is_bit_exact(workdir, layout):
     assert o["freed"] == o["resident_before"] == o["restored"] == o["resident_after"]
     # weights + Adam's two moments (+ master copies) are copied; gradient buffers only freed
     assert 0 < o["copied"] < o["freed"]
+    # before a sync only the weights stay on the device
+    assert 0 < o["weights"] == o["resident_at_sync"] < o["resident_before"]
+    # the host holds what was copied in chunks of one size (a power of two: the pinned host
+    # allocator rounds every allocation up to one), less than one chunk more than it needs
+    chunk = 1 << 12
+    assert set(o["requested"]) == {chunk} and o["host_bytes"] == len(o["requested"]) * chunk
+    assert o["copied"] <= o["host_bytes"] < o["copied"] + chunk
     assert [s["loss"] for s in got["steps"]] == [s["loss"] for s in ref["steps"]]
     assert torch.equal(got["tensors"]["logp1"], ref["tensors"]["logp1"])
     for name, w in ref["weights"].items():

@@ -498,9 +498,10 @@ class Learner:
 
     # ------------------------------------------------------------------ memory
 
-    def offload(self) -> OffloadStats:
-        """Free the learner's accelerator memory (weights and optimizer state go to the host)."""
-        return self._host.offload()
+    def offload(self, keep_weights: bool = False) -> OffloadStats:
+        """Free the learner's accelerator memory: gradient buffers freed, optimizer state (and,
+        unless ``keep_weights``, the weights) copied to the host (``offload.HostOffload``)."""
+        return self._host.offload(keep_weights)
 
     def onload(self) -> OffloadStats:
         """Bring the learner back, bit for bit, before the next update or weight sync."""
@@ -508,8 +509,19 @@ class Learner:
 
     @property
     def offloaded(self) -> bool:
-        """Whether the learner's state is in host memory now (``offload``)."""
+        """Whether any of the learner's state is in host memory now (``offload``)."""
         return self._host.offloaded
+
+    @property
+    def on_device(self) -> str:
+        """What of the learner is on its device: 'all', 'weights' (offloaded for a sync) or
+        'nothing'."""
+        return {"device": "all", "weights": "weights", "host": "nothing"}[self._host.state]
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the learner's offloads hold (pinned on CUDA), kept between phases."""
+        return self._host.pool.nbytes
 
     def resident_bytes(self) -> int:
         """Bytes of weights, gradient buffers and optimizer state now on the learner's device."""

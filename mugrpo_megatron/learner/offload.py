@@ -1,8 +1,13 @@
-"""Moving the learner's memory to the host while the rollout engine generates, and back.
+"""Moving the learner's memory to the host while the rollout engine works, and back.
 
 Mu-GRPO alternates a generation stage and an optimization stage, so the learner's weights,
 gradient buffers and optimizer state need not sit in accelerator memory while the engine samples.
-``HostOffload`` frees them there and restores them, bit for bit, before the next update.
+``HostOffload`` frees them there and restores them, bit for bit, before the next update. In two
+steps, because a weight sync needs the weights and nothing else: ``offload(keep_weights=True)``
+before a sync frees the gradient buffers and moves the optimizer's state (fp32 master weights,
+Adam's moments) to the host, so that the engine's woken weights sit beside the learner's weights
+alone (at the 30B-A3B config: 9.6 of 50 GiB of learner state); ``offload()`` then moves the
+weights too, for generation.
 
 It works on storages, not on tensors. Megatron's model is a web of views: DDP keeps parameters
 and gradients inside contiguous buffers (``param_data``, ``grad_data``; ``param.main_grad`` is a
@@ -17,6 +22,13 @@ module is written here for those two reasons, and is the same code on CPU, where
 
 Gradient buffers are not copied: they are zeroed before every update, so they are only freed and
 come back as zeros.
+
+Host memory: pinned (on CUDA) in chunks of ``HOST_CHUNK`` bytes, a power of two, which every
+storage's bytes are laid across (``HostPool``). torch's caching host allocator rounds each pinned
+allocation up to a power of two (``CachingHostAllocator::allocate``, torch 2.13/2.14: ``roundSize
+= PowerOf2Ceil(size)`` below ``pinned_max_round_threshold``, unbounded by default): one buffer a
+storage made DDP's 4.5 GB ``param_data`` at 70B an 8 GiB block, 1.3-1.9x the state in all. Chunks
+of a power of two waste less than one chunk a rank.
 """
 
 from __future__ import annotations
@@ -27,6 +39,10 @@ from dataclasses import dataclass
 from mugrpo_megatron.learner.compat_megatron import inner_optimizers
 
 import torch
+
+HOST_CHUNK = 1 << 28
+"""Bytes of one pinned host chunk (256 MiB: a power of two, so the host allocator rounds
+nothing; a rank's offload wastes less than one)."""
 
 
 @dataclass(frozen=True)
@@ -46,78 +62,142 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+class HostPool:
+    """Host memory for offloaded storages, in chunks of ``chunk`` bytes (pinned where the
+    storages are on CUDA), kept between phases and reused in the same order; a storage's bytes
+    may span chunks. ``requested`` lists every allocation's size, as the host allocator sees
+    them (the dry run's host figure follows the same rule)."""
+
+    def __init__(self, chunk: int = HOST_CHUNK):
+        self.chunk = chunk
+        self.chunks: list[torch.Tensor] = []
+        self.requested: list[int] = []
+
+    def place(self, sizes: list[int], pin: bool) -> list[list[tuple[int, int, int]]]:
+        """Where each of ``sizes`` bytes goes: for each, pieces (chunk, offset in the chunk,
+        length), laid end to end from the pool's first chunk; chunks are added as needed."""
+        out, at = [], 0
+        for size in sizes:
+            pieces, left = [], size
+            while left:
+                index, offset = divmod(at, self.chunk)
+                length = min(left, self.chunk - offset)
+                pieces.append((index, offset, length))
+                at, left = at + length, left - length
+            out.append(pieces)
+        while len(self.chunks) * self.chunk < at:
+            self.requested.append(self.chunk)
+            self.chunks.append(torch.empty(self.chunk, dtype=torch.uint8, pin_memory=pin))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.chunks) * self.chunk
+
+
 class HostOffload:
     """Frees and restores the accelerator memory of a learner's model chunks and optimizer.
 
-    The storages are collected at each offload (Adam's state appears at the first update); the
-    host buffers are kept between phases, pinned on CUDA, and reused by size."""
+    The storages are collected at each offload (Adam's state appears at the first update)."""
 
-    def __init__(self, model_chunks: list[torch.nn.Module], optimizer) -> None:
+    def __init__(self, model_chunks: list[torch.nn.Module], optimizer,
+                 chunk: int = HOST_CHUNK) -> None:
         self._chunks = model_chunks
         self._optimizer = optimizer
-        self._moved: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
-        self._pool: dict[int, list[torch.Tensor]] = {}
-        self.offloaded = False
+        self._moved: list[tuple[torch.UntypedStorage, int, list | None]] = []
+        self.pool = HostPool(chunk)
+        self.state = "device"
+        """'device' (everything on the accelerator), 'weights' (only the weights there: before
+        a sync) or 'host' (nothing there)."""
 
-    def _storages(self) -> tuple[list[torch.UntypedStorage], list[torch.UntypedStorage]]:
-        """(storages to copy and restore, storages only to free and zero), each once."""
-        keep: dict[int, torch.UntypedStorage] = {}
-        drop: dict[int, torch.UntypedStorage] = {}
+    @property
+    def offloaded(self) -> bool:
+        return self.state != "device"
 
-        def add(into: dict, tensor: torch.Tensor) -> None:
+    def _storages(self) -> dict[str, list[torch.UntypedStorage]]:
+        """The storages of each kind, each once: 'weights' (the model's parameters and DDP's
+        parameter buffers), 'optimizer' (master weights and optimizer state that are not
+        weights), 'grads' (gradient buffers that are neither)."""
+        kinds: dict[str, dict[int, torch.UntypedStorage]] = {"weights": {}, "optimizer": {},
+                                                              "grads": {}}
+
+        def add(kind: str, tensor: torch.Tensor) -> None:
             storage = tensor.untyped_storage()
             if storage.nbytes() > 0:
-                into.setdefault(storage.data_ptr(), storage)
+                kinds[kind].setdefault(storage.data_ptr(), storage)
 
         for chunk in self._chunks:
             for buffer in getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", []):
                 if buffer.grad_data is not None:
-                    add(drop, buffer.grad_data)
+                    add("grads", buffer.grad_data)
                 if buffer.param_data is not None:
-                    add(keep, buffer.param_data)
+                    add("weights", buffer.param_data)
             for p in chunk.parameters():
-                add(keep, p)
+                add("weights", p)
         for inner in _torch_optimizers(self._optimizer):
             for group in inner.param_groups:
                 for p in group["params"]:
-                    add(keep, p)
+                    add("optimizer", p)
             for state in inner.state.values():
                 for v in state.values():
                     if torch.is_tensor(v):
-                        add(keep, v)
-        # a storage that holds both parameters and gradients must be kept
-        return list(keep.values()), [s for k, s in drop.items() if k not in keep]
+                        add("optimizer", v)
+        weights = kinds["weights"]
+        optimizer = {k: s for k, s in kinds["optimizer"].items() if k not in weights}
+        grads = {k: s for k, s in kinds["grads"].items() if k not in weights and k not in optimizer}
+        return {"weights": list(weights.values()), "optimizer": list(optimizer.values()),
+                "grads": list(grads.values())}
 
     def resident_bytes(self) -> int:
         """Bytes of the learner's storages currently allocated on its device."""
-        keep, drop = self._storages()
-        return sum(s.nbytes() for s in keep + drop)
+        return sum(s.nbytes() for kind in self._storages().values() for s in kind)
 
-    def offload(self) -> OffloadStats:
-        """Copy weights and optimizer state to the host, then free every storage on the device."""
-        if self.offloaded:
-            raise RuntimeError("the learner is already offloaded")
+    def offload(self, keep_weights: bool = False) -> OffloadStats:
+        """Free the gradient buffers and copy the optimizer's state to the host, then, unless
+        ``keep_weights``, the weights too (after an earlier ``keep_weights`` offload, only
+        them)."""
+        want = "weights" if keep_weights else "host"
+        if self.state in (want, "host"):
+            raise RuntimeError(f"the learner is already offloaded ({self.state})")
         t0 = time.perf_counter()
-        keep, drop = self._storages()
-        copied = 0
-        for storage in keep:
+        kinds = self._storages()
+        if self.state == "weights":  # the second step: what a sync needed
+            keep, drop = kinds["weights"], []
+        else:
+            keep = kinds["optimizer"] + ([] if keep_weights else kinds["weights"])
+            drop = kinds["grads"]
+        placed = self._place([s.nbytes() for s in keep],
+                             pin=any(s.device.type == "cuda" for s in keep))
+        new = []
+        for storage, pieces in zip(keep, placed):
             src = _as_bytes(storage)
-            free = self._pool.get(src.numel())
-            host = free.pop() if free else torch.empty(src.numel(), dtype=torch.uint8,
-                                                        pin_memory=src.is_cuda)
-            host.copy_(src, non_blocking=True)
-            copied += src.numel()
-            self._moved.append((storage, src.numel(), host))
-        self._moved += [(s, s.nbytes(), None) for s in drop]
+            for index, offset, length, start in pieces:
+                self.pool.chunks[index][offset:offset + length].copy_(
+                    src[start:start + length], non_blocking=True)
+            new.append((storage, src.numel(), pieces))
+        new += [(s, s.nbytes(), None) for s in drop]
         _synchronize()
-        freed = 0
-        for storage, nbytes, _ in self._moved:
+        for storage, _, _ in new:
             storage.resize_(0)
-            freed += nbytes
+        self._moved += new
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self.offloaded = True
-        return OffloadStats(copied, freed, time.perf_counter() - t0)
+        self.state = want
+        return OffloadStats(sum(n for _, n, p in new if p is not None),
+                            sum(n for _, n, _ in new), time.perf_counter() - t0)
+
+    def _place(self, sizes: list[int], pin: bool) -> list[list[tuple[int, int, int, int]]]:
+        """Pool pieces (chunk, offset, length, start in the storage) for storages of ``sizes``
+        bytes, laid after those an earlier step of this offload moved."""
+        earlier = [n for _, n, p in self._moved if p is not None]
+        out = []
+        for pieces in self.pool.place(earlier + sizes, pin=pin)[len(earlier):]:
+            start, with_start = 0, []
+            for index, offset, length in pieces:
+                with_start.append((index, offset, length, start))
+                start += length
+            out.append(with_start)
+        return out
 
     def onload(self) -> OffloadStats:
         """Re-allocate every storage on the device and copy the host bytes back in."""
@@ -125,20 +205,20 @@ class HostOffload:
             raise RuntimeError("the learner is not offloaded")
         t0 = time.perf_counter()
         copied = 0
-        for storage, nbytes, host in self._moved:
+        for storage, nbytes, pieces in self._moved:
             storage.resize_(nbytes)
-            if host is None:
-                _as_bytes(storage).zero_()
-            else:
-                _as_bytes(storage).copy_(host, non_blocking=True)
-                copied += nbytes
+            dst = _as_bytes(storage)
+            if pieces is None:
+                dst.zero_()
+                continue
+            for index, offset, length, start in pieces:
+                dst[start:start + length].copy_(self.pool.chunks[index][offset:offset + length],
+                                                non_blocking=True)
+            copied += nbytes
         _synchronize()
-        for _, nbytes, host in self._moved:
-            if host is not None:
-                self._pool.setdefault(nbytes, []).append(host)
         allocated = sum(n for _, n, _ in self._moved)
         self._moved = []
-        self.offloaded = False
+        self.state = "device"
         return OffloadStats(copied, allocated, time.perf_counter() - t0)
 
 

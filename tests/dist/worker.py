@@ -157,11 +157,20 @@ def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
     untouched = all(torch.equal(before[k], after[k]) for k in before) and \
         checksum == optimizer_checksum(learner)
     offload = {}
-    if offload_too:
+    if offload_too:  # in the trainer's two steps: for a sync (weights kept), then for generation
+        from mugrpo_megatron.learner.offload import HostPool
+
+        learner._host.pool = HostPool(chunk=1 << 12)  # small chunks: every storage spans several
         before_bytes = learner.resident_bytes()
+        weights = sum(s.nbytes() for s in learner._host._storages()["weights"])
+        for_sync = learner.offload(keep_weights=True)
+        at_sync = learner.resident_bytes()
         out_stats = learner.offload()
         offload = {"resident_before": before_bytes, "resident_offloaded": learner.resident_bytes(),
-                   "freed": out_stats.bytes_freed, "copied": out_stats.bytes_copied}
+                   "weights": weights, "resident_at_sync": at_sync, "on_device_at_sync": "weights",
+                   "freed": for_sync.bytes_freed + out_stats.bytes_freed,
+                   "copied": for_sync.bytes_copied + out_stats.bytes_copied,
+                   "host_bytes": learner.host_bytes, "requested": learner._host.pool.requested}
         in_stats = learner.onload()
         offload.update(resident_after=learner.resident_bytes(), restored=in_stats.bytes_freed)
     # the last update as the trainer gives it: only this data-parallel rank's rows, padded to
