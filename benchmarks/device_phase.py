@@ -41,13 +41,13 @@ def transitions_section(path: Path, state: dict, args) -> dict:
     """Two phases with an evaluation, in the trainer's order: the learner offloaded while the
     engine starts, generates and evaluates (the engine asleep otherwise), back for the sync and
     the updates, and a save. Device memory at each, and the dry run's estimate beside it."""
-    from mugrpo_megatron.dryrun import GIB, estimate
+    from mugrpo_megatron.dryrun.memory import GIB, H100_GIB, estimate
 
     learner, cfg, batch = state["learner"], state["cfg"], state["batch"]
     engine = state.get("engine_obj")
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB \
-        if torch.cuda.is_available() else 80.0
-    planned = estimate(cfg, learner.spec, 1, gpu_gib=gpu_gib)["transitions"]
+        if torch.cuda.is_available() else H100_GIB
+    planned = estimate(cfg, learner.spec, 1, gpu_gib=gpu_gib, ranks_per_node=1)["transitions"]
     marks = []
 
     def mark(name: str, phase: int) -> None:
@@ -61,6 +61,7 @@ def transitions_section(path: Path, state: dict, args) -> dict:
         mark("start", 0)
         learner.onload()
         for phase in range(2):
+            learner.offload(keep_weights=True)  # the trainer's sync: the weights alone
             if engine is not None:
                 engine.wake(weights_only=True)
                 from mugrpo_megatron.learner.export import iter_hf_tensors

@@ -20,6 +20,7 @@ from pathlib import Path
 from mugrpo_megatron import outputs
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.config.loader import describe, load_config
+from mugrpo_megatron.dryrun.memory import H100_GIB
 
 DRY_RUN_GPUS_PER_NODE = 8  # an H100 node
 
@@ -137,7 +138,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", default=None,
                    help="for --dry-run: an HF config.json (or its directory) to use instead of "
                         "model.path's, when the checkpoint is not on this machine")
-    p.add_argument("--gpu-gib", type=float, default=80.0, help="for --dry-run: memory per GPU")
+    p.add_argument("--gpu-gib", type=float, default=H100_GIB,
+                   help=f"for --dry-run: memory per GPU, as CUDA reports it (default: an 80 GB H100's "
+                        f"{H100_GIB} GiB)")
     _gpus_per_node_arg(p, f"default: torchrun's processes per node, or {DRY_RUN_GPUS_PER_NODE} "
                           f"for --dry-run")
     p.add_argument("--overwrite", action="store_true",

@@ -70,8 +70,8 @@ def ends(dist: str, spec: str) -> list[str]:
                            "manylinux_2_28_x86_64"],  # the releases for 3.12 include 3.11's
                           capture_output=True, text=True, check=True).stdout
     listed = re.search(r"Available versions: (.*)", text).group(1).split(", ")
-    inside = sorted((v for v in map(Version, listed) if v in SpecifierSet(spec)
-                     and not v.is_prerelease and not v.is_devrelease))
+    inside = sorted(v for v in map(Version, listed) if v in SpecifierSet(spec)
+                     and not v.is_prerelease and not v.is_devrelease)
     return sorted({str(inside[0]), str(inside[-1])}, key=Version)
 
 

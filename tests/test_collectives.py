@@ -66,16 +66,16 @@ def results(tmp_path_factory):
 def test_every_group_member_issues_the_same_collectives(results, ranks, job):
     got = results[ranks, job]
     assert set(got["steps"]) == {"update_packed", "update_padded", "score_packed",
-                                 "score_padded"}
+                                 "score_padded", "export"}
     for step, r in got["steps"].items():
         assert mismatches(r["logs"]) == [], step
         calls = sum(len(c) for log in r["logs"] for c in log["calls"].values())
-        assert calls > 0, step
+        assert calls > 0 or step == "export", step  # a DP-only export gathers nothing
         # the emulated FP8 amax reduction runs with grad on only, as TE's does: in updates, and
         # in the one calibrating forward of the first scoring pass before any update
         if step.startswith("update"):
             assert r["amax"]["forward"] > 0 and r["amax"]["backward"] > 0, (step, r["amax"])
-        elif step == "score_packed":
+        elif step == "score_packed":  # (export: no forward)
             assert r["amax"] == {"forward": 1, "backward": 0}, (step, r["amax"])
         else:
             assert r["amax"] == {"forward": 0, "backward": 0}, step

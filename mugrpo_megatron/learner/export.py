@@ -51,6 +51,13 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
     Tensors cross pipeline stages in buckets of at most ``bucket_bytes`` (one flat broadcast per
     bucket); a tensor larger than a bucket travels alone. ``tensor_of`` picks what is streamed for
     each parameter: its value (default) or, for tests and diagnostics, e.g. ``lambda p: p.main_grad``.
+
+    Device memory beyond the model: one bucket, or the one tensor larger than a bucket that
+    travels alone (the vocabulary's: 2.1 GB at 70B in bf16), held once: a TP gather of a
+    parameter split along its first dimension lands in one tensor, a tensor that travels alone
+    is broadcast as it is, and only a tensor that is a live parameter (TP 1, or replicated) is
+    copied before it is handed out. The vocabulary used to be held four times over (the gathered
+    shards, their concatenation, the broadcast's flat copy and a last copy), 8.4 GB at 70B.
     """
     tp_group = mpu.get_tensor_model_parallel_group()
     tp_size = mpu.get_tensor_model_parallel_world_size()
@@ -82,15 +89,26 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
             if pp_size > 1:
                 dt = getattr(torch, bucket[0][2])
                 numels = [math.prod(shape) for _, shape, _ in bucket]
-                flat = torch.cat([t.reshape(-1).to(device) for _, t in tensors]) if owner \
-                    else torch.empty(sum(numels), dtype=dt, device=device)
+                alone = owner and len(bucket) == 1 and tensors[0][1].is_contiguous()
+                if alone:  # broadcast as it is: no flat copy of the largest tensors
+                    flat = tensors[0][1].to(device).reshape(-1)
+                elif owner:
+                    flat = torch.cat([t.reshape(-1).to(device) for _, t, _ in tensors])
+                else:
+                    flat = torch.empty(sum(numels), dtype=dt, device=device)
                 dist.broadcast(flat, src=pp_ranks[stage], group=pp_group)
-                tensors = [(name, part.view(shape)) for (name, shape, _), part in
-                           zip(bucket, flat.split(numels))]
-            for name, t in tensors:
+                if not alone:
+                    tensors = [(name, part.view(shape), True) for (name, shape, _), part in
+                               zip(bucket, flat.split(numels))]
+                del flat
+            for name, t, fresh in tensors:
                 # never hand out a view of a live parameter: a consumer may keep it (vLLM can)
                 # and see later optimizer steps, or write into it
-                yield name, (t.clone() if dtype is None or t.dtype == dtype else t.to(dtype))
+                if dtype is not None and t.dtype != dtype:
+                    yield name, t.to(dtype)
+                else:
+                    yield name, t if fresh else t.clone()
+            del tensors
 
 
 class _ExpertGroups:
@@ -115,7 +133,9 @@ class _ExpertGroups:
 
 
 def _produce(entries, tensor_of, spec, tp_size, tp_group, ep: _ExpertGroups
-             ) -> Iterator[tuple[str, torch.Tensor]]:
+             ) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(HF name, full tensor, fresh) of each entry in order; ``fresh``: a tensor of its own, not
+    a live parameter or a view of one."""
     for param, pm in entries:
         if pm.expert is None:
             yield from _gather_tp(tensor_of(param), pm, spec, tp_size, tp_group)
@@ -127,13 +147,13 @@ def _produce(entries, tensor_of, spec, tp_size, tp_group, ep: _ExpertGroups
             continue
         group = mpu.get_expert_model_parallel_group()
         gathered = []
-        for _, t in full:
+        for _, t, _ in full:
             parts = [torch.empty_like(t) for _ in range(ep.size)]
             dist.all_gather(parts, t.contiguous(), group=group)
             gathered.append(parts)
         for r, names in enumerate(ep.names(pm)):
             for j, name in enumerate(names):
-                yield name, gathered[j][r]
+                yield name, gathered[j][r], True
 
 
 def _buckets(meta: list[tuple[str, tuple, str]], bucket_bytes: int) -> Iterator[list]:
@@ -169,14 +189,23 @@ def _hf_shapes(param: torch.Tensor, pm: ParamMap, tp_size: int, spec: ModelSpec)
 
 
 def _gather_tp(param: torch.Tensor, pm: ParamMap, spec: ModelSpec, tp_size: int, group
-               ) -> list[tuple[str, torch.Tensor]]:
-    if pm.kind == "replicated":
-        return [(pm.hf_names[0], param)]
-    if tp_size == 1:
-        return hf_from_shards(pm, [param], spec)
+               ) -> list[tuple[str, torch.Tensor, bool]]:
+    """The HF tensors of one parameter, gathered over its TP group, each with whether it is a
+    tensor of its own (``fresh``) rather than the live parameter or a view of it. A parameter
+    split along its first dimension is gathered into one tensor of the full shape (no list of
+    shards beside a concatenation of them)."""
+    if pm.kind == "replicated" or tp_size == 1:
+        return [(name, t, t.untyped_storage().data_ptr() != param.untyped_storage().data_ptr())
+                for name, t in hf_from_shards(pm, [param], spec)]
+    if tp_split_dim(pm.kind) == 0:
+        full = torch.empty((tp_size * param.shape[0], *param.shape[1:]), dtype=param.dtype,
+                           device=param.device)
+        dist.all_gather_into_tensor(full, param.contiguous(), group=group)
+        return [(name, t, True) for name, t in
+                hf_from_shards(pm, list(full.chunk(tp_size)), spec, gathered=full)]
     shards = [torch.empty_like(param) for _ in range(tp_size)]
     dist.all_gather(shards, param.contiguous(), group=group)
-    return hf_from_shards(pm, shards, spec)
+    return [(name, t, True) for name, t in hf_from_shards(pm, shards, spec)]
 
 
 def save_hf_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str | Path,

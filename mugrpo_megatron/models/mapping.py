@@ -155,21 +155,30 @@ def shard_from_hf(pm: ParamMap, read: Reader, spec: ModelSpec, tp_rank: int, tp_
     return fused.reshape(groups * (hpg + 2) * hd, *tail)
 
 
-def hf_from_shards(pm: ParamMap, shards: list[torch.Tensor], spec: ModelSpec
-                   ) -> list[tuple[str, torch.Tensor]]:
-    """Full HF tensors from the TP shards of one parameter (in TP rank order)."""
+def hf_from_shards(pm: ParamMap, shards: list[torch.Tensor], spec: ModelSpec,
+                   gathered: torch.Tensor | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors from the TP shards of one parameter (in TP rank order). ``gathered``: the
+    shards of a first-dimension split already laid end to end in one tensor (their
+    concatenation along dimension 0, of which ``shards`` are the views), used instead of
+    concatenating them again. One shard (TP 1) is the parameter itself: vocab, row and
+    replicated kinds then return it (or a view of it), the others new tensors."""
+    def along0(parts: list[torch.Tensor]) -> torch.Tensor:
+        if gathered is not None:
+            return gathered
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
     if pm.kind == "replicated":
         return [(pm.hf_names[0], shards[0])]
     if pm.kind == "row":
-        return [(pm.hf_names[0], torch.cat(shards, dim=1))]
+        return [(pm.hf_names[0], shards[0] if len(shards) == 1 else torch.cat(shards, dim=1))]
     if pm.kind == "vocab":
-        return [(pm.hf_names[0], torch.cat(shards, dim=0)[:spec.vocab_size])]
+        return [(pm.hf_names[0], along0(shards)[:spec.vocab_size])]
     if pm.kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
         return [(pm.hf_names[0], torch.cat([h[0] for h in halves], dim=0)),
                 (pm.hf_names[1], torch.cat([h[1] for h in halves], dim=0))]
     hd, hpg, groups = spec.head_dim, spec.heads_per_group, spec.num_kv_heads
-    fused = torch.cat(shards, dim=0)
+    fused = along0(shards)
     tail = fused.shape[1:]
     per_group = fused.reshape(groups, (hpg + 2) * hd, *tail)
     q = per_group[:, :hpg * hd].reshape(groups * hpg * hd, *tail)

@@ -1,5 +1,6 @@
 """Runs under torchrun: scaled-down copies of the shipped configs' layouts, each through a packed
-update, a padded update and a scoring pass (packed and padded log-probs), with Transformer
+update, a padded update, a scoring pass (packed and padded log-probs) and a weight sync's export
+stream, with Transformer
 Engine's per-microbatch FP8 amax reduction emulated over gloo; every rank records the collectives
 it issues per process group (``collective_log``), and rank 0 writes them all.
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
 from collective_log import CollectiveLog, te_amax_emulation  # noqa: E402
 
 from mugrpo_megatron.config.loader import load_config  # noqa: E402
+from mugrpo_megatron.learner.export import iter_hf_tensors  # noqa: E402
 from mugrpo_megatron.learner.learner import Learner  # noqa: E402
 from mugrpo_megatron.learner.packing import plan_bins, sequence_lengths  # noqa: E402
 from mugrpo_megatron.types import TokenBatch, TrainBatch  # noqa: E402
@@ -74,12 +76,17 @@ def run_job(job: dict) -> None:
     steps = {"score_packed": lambda: learner.logprobs(scoring),
              "score_padded": lambda: learner.logprobs(scoring, packed=False),
              "update_packed": lambda: learner.train_step(mine, dp_local=True),
-             "update_padded": lambda: padded_update(learner, mine)}
+             "update_padded": lambda: padded_update(learner, mine),
+             # a weight sync's stream (every rank receives every HF tensor)
+             "export": lambda: sum(1 for _ in iter_hf_tensors(learner.chunks(), learner.spec,
+                                                              bucket_bytes=1 << 16))}
     for name, step in steps.items():
         with te_amax_emulation(learner) as amax, CollectiveLog() as log:
             out = step()
         if name.startswith("update"):
             assert not out.skipped, (name, out.reason)
+        if name == "export":
+            assert out > 0
         result["steps"][name] = {"logs": gathered(log), "amax": amax}
     every = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, bins)

@@ -1,0 +1,309 @@
+"""The dry run's memory model: per-GPU memory at every transition of a phase, and host memory per
+node, as arithmetic on the architecture (the checkpoint's ``config.json``). No GPU, no megatron.
+
+What one rank holds:
+
+- learner state: this rank's parameters (TP x PP split; the first and last stages also hold the
+  padded embedding and output layer) in the training dtype; gradients in fp32 (megatron DDP's
+  ``grad_reduce_in_fp32``); fp32 master weights and Adam's two moments (12 bytes a parameter,
+  8 in fp32 training), divided by DP with the distributed optimizer. ``parallel.offload_learner``
+  moves it to host memory while the engine generates, and before a weight sync leaves only the
+  weights on the device (``learner.offload``: gradient buffers freed, optimizer state copied).
+- activations: Korthikanti et al. (2022), 34*s*b*h bytes per layer and microbatch (s*b: the
+  tokens of the largest microbatch, a packed row where the learner packs), divided by TP
+  with sequence parallel (10 of the 34 stay replicated without it), with flash attention (no
+  s^2 term, so selective recomputation, which recomputes only that part, saves nothing); with
+  full recomputation each layer keeps its input, 2*s*b*h (divided by TP with sequence parallel),
+  and one layer's activations exist at a time in the backward pass; the first pipeline stage
+  holds up to PP microbatches in flight under 1F1B.
+- logits (``logits_bytes``): a microbatch's vocabulary shard in fp32, which the log-probs work on
+  in place and keep as the softmax for the backward pass (4 bytes a logit), beside the output
+  layer's own output and megatron's transposed copy of it (2 x the model dtype) while one is
+  made from the other; at a temperature other than 1 a tempered copy (4 more). Checked on CPU
+  against the allocator's peak in an update (``tests/test_memory.py``).
+- what no offload frees (``resident``): the CUDA context and library workspaces; NCCL's buffers,
+  per communicator the rank uses (``communicators``: counted on CPU by recording the groups
+  every collective of an update, a scoring pass and a weight sync goes over); with FP8,
+  Transformer Engine's FP8 copy of every GEMM weight and its transpose (2 bytes a GEMM
+  parameter, kept between steps).
+- the engine (vLLM 0.32-0.33, sleep mode with the cumem allocator; read in
+  ``device_allocator/cumem.py`` and ``sleep_mode_backend.py``): awake, its budget
+  (``rollout.gpu_memory_utilization`` of the GPU: weights at the engine's TP size, KV cache,
+  CUDA graphs) plus its runtime and workspace pools; asleep (level 1), nothing on the device:
+  the weights, runtime and CUDA-graph pools are backed up to pinned host memory, the KV cache
+  and workspaces dropped; woken for a sync (tags ['weights']), the weights and every pool that
+  is not deferrable (runtime, CUDA graphs, workspaces) come back, not the KV cache.
+- a weight sync's stream (``stream_bytes``): one bucket in flight (twice across pipeline stages:
+  the owner's tensors and the broadcast buffer), or the largest tensor, which travels alone
+  (the vocabulary); and what vLLM's layer-wise reload keeps (``reload_bytes``): every tensor of
+  the module being loaded until the module is complete, as full HF tensors (a fused MoE layer's
+  experts: 128 x 3 x 2048 x 768 bf16 = 1.2 GB at Qwen3-30B-A3B). Checked on CPU against the
+  allocator's peak while the stream is drained, and the tensors an engine update holds at once.
+
+Host memory per node (``host_bytes``), pinned: torch's caching host allocator rounds every
+pinned allocation up to a power of two (torch 2.13/2.14 ``CachingHostAllocator::allocate``),
+so the learner's offload lays its state across chunks of one power-of-two size
+(``learner.offload.HOST_CHUNK``: less than one chunk wasted a rank), while vLLM's sleep backs
+up each allocation on its own: each weight tensor (and each pool) rounded up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mugrpo_megatron.config import Config
+from mugrpo_megatron.layout import pack_capacity, token_multiple
+from mugrpo_megatron.models.hf_config import ModelSpec
+
+GIB = 1 << 30
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+H100_GIB = 79.6
+"""What CUDA reports of an 80 GB H100 (81,559 MiB): the default --gpu-gib."""
+CUDA_CONTEXT = 1.0 * GIB
+"""CUDA context, cuBLAS/cuDNN and Transformer Engine workspaces of one process (~0.5-1 GiB)."""
+NCCL_PER_COMMUNICATOR = 0.5 * GIB
+"""NCCL buffers of one communicator: NCCL_BUFFSIZE (4 MiB) per channel and peer for the Simple
+protocol, plus LL/LL128, on up to 32 channels; NVLS (NVSwitch systems) adds more per communicator
+(NCCL_NVLS_ENABLE=0 turns it off). Allocated when a communicator runs its first collective."""
+VLLM_GRAPH_POOL = 2.0 * GIB
+"""vLLM's CUDA-graph pool (captured batch sizes up to 512): inside its budget while it runs,
+backed up to the host while it sleeps, woken with the weights."""
+VLLM_RUNTIME = 0.5 * GIB
+"""vLLM's runtime pool (its KV-cache initialisation state) and dense workspaces, woken with the
+weights (a MoE model adds ``moe_workspace``)."""
+VLLM_BATCHED_TOKENS = 8192
+"""Tokens vLLM schedules in one step at most (max_num_batched_tokens' default): what its fused
+MoE workspaces are sized by."""
+HOST_CHUNK = 1 << 28
+"""The learner's pinned host chunk (``learner.offload.HOST_CHUNK``; the same number, kept here
+so the dry run imports nothing from the learner)."""
+MARGIN = 0.05
+"""Fraction of the GPU the largest transition must leave free."""
+TRANSITIONS = ("start", "sync", "generate", "evaluate", "optimize", "save")
+RECOMPUTE_COST = {"none": "fastest", "selective": "+ core attention's forward",
+                  "full": "~1/3 more compute an update"}
+"""``model.recompute``'s choices, cheapest first, with what each adds to an update."""
+
+
+def pinned(nbytes: float) -> int:
+    """What torch's caching host allocator gives a pinned allocation of ``nbytes``: the next
+    power of two."""
+    return 1 << max(0, math.ceil(math.log2(max(nbytes, 1))))
+
+
+def microbatch_tokens(cfg: Config) -> tuple[int, str]:
+    """Tokens of the largest microbatch on a GPU (Transformer Engine installed, as the GPU
+    install has it), and how they are laid out: a packed row (``parallel.pack_tokens``: 'auto'
+    packs there, into rows of micro_batch_size x the longest sequence), or micro_batch_size rows
+    padded to the longest sequence."""
+    p = cfg.parallel
+    packed = pack_capacity(p, cfg.max_sequence_tokens, thd=True,
+                           multiple=token_multiple(cfg.model, p))
+    if packed:
+        return packed, f"packed rows of {packed} tokens (THD through Transformer Engine)"
+    return p.micro_batch_size * cfg.max_sequence_tokens, \
+        f"{p.micro_batch_size} row(s) padded to the rank's longest (up to {cfg.max_sequence_tokens})"
+
+
+def activation_bytes(cfg: Config, spec: ModelSpec, dp: int, recompute: str) -> tuple[float, int]:
+    """Activation memory of the first pipeline stage during an update with ``recompute``, and the
+    microbatches it holds in flight (1F1B: up to PP)."""
+    p = cfg.parallel
+    tokens = microbatch_tokens(cfg)[0]  # s x b of the formulas
+    h, tp = spec.hidden_size, p.tensor
+    layers_stage = spec.num_layers / p.pipeline
+    in_flight = min(p.pipeline, max(1, cfg.algo.samples_per_update // (dp * p.micro_batch_size)))
+    full_layer = tokens * h * (34 / tp if p.sequence_parallel or tp == 1 else 24 / tp + 10)
+    if recompute == "full":  # the layers' inputs of every microbatch in flight, one layer's all
+        inputs = 2 * tokens * h / (tp if p.sequence_parallel else 1) * layers_stage
+        return inputs * in_flight + full_layer, in_flight
+    return full_layer * layers_stage * in_flight, in_flight  # selective: no s^2 term to drop
+
+
+def logits_bytes(tokens: int, vocab_rows: int, dtype: str, temperature: float) -> float:
+    """A microbatch's logits at their peak (see the module docstring)."""
+    per_logit = 4 + 2 * BYTES[dtype] + (4 if temperature != 1.0 else 0)
+    return float(tokens) * vocab_rows * per_logit
+
+
+def communicators(cfg: Config, dp: int) -> dict[str, int]:
+    """The NCCL communicators a rank runs collectives on, by what they serve: the world group
+    (the learner's metric and log-prob reductions, our agreements), TP, DP and its
+    context-parallel twin (megatron keeps both, with the same ranks), TP x DP and its twin (FP8's
+    amax reduction, the optimizer's), one over every rank of the model (megatron's gradient-norm
+    group), PP and a point-to-point one with each pipeline neighbour, the embedding group, EP,
+    expert DP and expert TP x DP; the engine's world and tensor-parallel groups. Counted from
+    what megatron-core 0.16 issues over gloo in scaled-down layouts (tests/test_collectives.py
+    checks this against them)."""
+    p = cfg.parallel
+    fp8 = cfg.model.fp8_format is not None
+    out = {"world": 1, "tensor": int(p.tensor > 1), "data": 2 * (dp > 1),
+           "tensor x data": 2 * (dp > 1 and (p.tensor > 1 or fp8 or p.expert > 1)),
+           "model": int(dp > 1 or p.pipeline > 1),
+           "pipeline": 3 * (p.pipeline > 1), "embedding": int(p.pipeline > 1),
+           "expert": 3 * (p.expert > 1),
+           "engine": 1 + (cfg.rollout.tensor_parallel > 1)}
+    return {k: v for k, v in out.items() if v}
+
+
+@dataclass(frozen=True)
+class EngineTensors:
+    """The engine's weights as it holds them at its TP size: each tensor's bytes (vLLM fuses
+    q/k/v, gate/up and each layer's experts; shards all but norms and the router)."""
+
+    sizes: tuple[float, ...]
+
+    @classmethod
+    def of(cls, spec: ModelSpec, tp: int, dtype: str) -> EngineTensors:
+        w, h, hd = BYTES[dtype], spec.hidden_size, spec.head_dim
+        vocab = math.ceil(spec.vocab_size / (64 * tp)) * 64  # VocabParallelEmbedding's padding
+        layer = [(spec.num_heads + 2 * spec.num_kv_heads) * hd * h / tp,  # qkv_proj
+                 h * spec.num_heads * hd / tp, h, h]  # o_proj, two norms
+        if spec.is_moe:
+            i = spec.moe_ffn_hidden_size
+            layer += [spec.num_experts * 2 * i * h / tp, spec.num_experts * h * i / tp,  # w13, w2
+                      spec.num_experts * h]  # router
+        else:
+            layer += [2 * spec.ffn_hidden_size * h / tp, h * spec.ffn_hidden_size / tp]
+        sizes = [vocab * h] + layer * spec.num_layers + [h]
+        if not spec.tie_embeddings:
+            sizes.append(vocab * h)
+        return cls(tuple(n * w for n in sizes))
+
+    @property
+    def total(self) -> float:
+        return sum(self.sizes)
+
+    @property
+    def pinned(self) -> int:
+        """Host memory its sleep's backups take: each rounded up to a power of two."""
+        return sum(pinned(n) for n in self.sizes)
+
+
+def moe_workspace(spec: ModelSpec, tp: int, dtype: str) -> float:
+    """vLLM's fused-MoE workspaces for a step of ``VLLM_BATCHED_TOKENS`` tokens: the routed
+    tokens' gate/up output and activation, and the down projection's output (intermediate caches
+    1-3 of ``fused_moe``)."""
+    if not spec.is_moe:
+        return 0.0
+    routed = VLLM_BATCHED_TOKENS * spec.experts_per_token
+    i = spec.moe_ffn_hidden_size / tp
+    return routed * (2 * i + i + spec.hidden_size) * BYTES[dtype]
+
+
+def stream_bytes(spec: ModelSpec, tp: int, pp: int, bucket: int, dtype: str) -> float:
+    """A weight sync's stream on one rank (``learner.export.iter_hf_tensors``): the largest tensor
+    it hands out (the vocabulary, gathered whole: its padded rows at TP > 1), or a bucket, twice
+    across pipeline stages (the owner's tensors and the broadcast's flat buffer)."""
+    rows = spec.padded_vocab_size(tp) if tp > 1 else spec.vocab_size
+    largest = rows * spec.hidden_size * BYTES[dtype]
+    return max(largest, 2 * bucket if pp > 1 else 0)
+
+
+def reload_bytes(spec: ModelSpec, dtype: str) -> float:
+    """What vLLM's layer-wise reload keeps of the stream (0.16-0.33, ``reload/layerwise.py``:
+    a module's loaded tensors wait until all of them are there): the largest module of several
+    tensors, as full HF tensors: a MoE layer's experts, else gate and up or q, k and v."""
+    h, w = spec.hidden_size, BYTES[dtype]
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * h
+    mlp = (spec.num_experts * 3 * spec.moe_ffn_hidden_size * h if spec.is_moe
+           else 2 * spec.ffn_hidden_size * h)
+    return max(qkv, mlp) * w
+
+
+def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
+             ranks_per_node: int = 8) -> dict:
+    """Every item and transition of the module docstring, in bytes, for a job of ``dp``
+    data-parallel ranks (the layout already checked) on GPUs of ``gpu_gib``."""
+    p, r = cfg.parallel, cfg.rollout
+    h, tp = spec.hidden_size, p.tensor
+    total = spec.num_parameters()
+    embed = spec.vocab_size * h
+    layer_params = (total - embed * (1 if spec.tie_embeddings else 2) - h) / spec.num_layers
+    # an MoE layer's experts are split over TP x EP ranks, the rest over TP
+    expert_layer = spec.num_experts * 3 * h * spec.moe_ffn_hidden_size
+    vocab_rows = spec.padded_vocab_size(tp) // tp
+    # the first stage holds the embedding, the last the output layer (a copy when tied)
+    layers_params = (layer_params - expert_layer) / tp * spec.num_layers / p.pipeline
+    dense_params = layers_params + vocab_rows * h
+    if p.pipeline == 1 and not spec.tie_embeddings:
+        dense_params += vocab_rows * h
+    expert_params = expert_layer / (tp * p.expert) * spec.num_layers / p.pipeline
+    stage_params = dense_params + expert_params
+    w = BYTES[cfg.model.dtype]
+    params_b = stage_params * w
+    grads_b = stage_params * 4
+    opt_per_param = 12 if w < 4 else 8
+    # the distributed optimizer shards the experts' state over the expert-data-parallel group
+    # (dp / ep ranks hold the same experts), the rest over all dp ranks
+    shard_dense, shard_expert = (dp, dp // p.expert) if p.distributed_optimizer else (1, 1)
+    optim_b = opt_per_param * (dense_params / shard_dense + expert_params / shard_expert)
+    state = params_b + grads_b + optim_b
+
+    tokens = microbatch_tokens(cfg)[0]
+    act, in_flight = activation_bytes(cfg, spec, dp, cfg.model.recompute)
+    logits = logits_bytes(tokens, vocab_rows, cfg.model.dtype, r.temperature)
+
+    # not freed by any offload: the process, NCCL, and FP8's weight caches (the GEMM weights)
+    fp8_cache = 2 * (layers_params + expert_params) if cfg.model.fp8_format else 0.0
+    comms = communicators(cfg, dp)
+    nccl = NCCL_PER_COMMUNICATOR * sum(comms.values())
+    resident = CUDA_CONTEXT + nccl + fp8_cache
+
+    engine_tensors = EngineTensors.of(spec, r.tensor_parallel, cfg.model.dtype)
+    engine_weights = engine_tensors.total
+    engine_budget = r.gpu_memory_utilization * gpu_gib * GIB
+    kv = max(0.0, engine_budget - engine_weights)
+    kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 / r.tensor_parallel
+    vllm = r.engine == "vllm"
+    # the non-deferrable pools (runtime, workspaces, CUDA graphs): woken with the weights
+    pools = (VLLM_RUNTIME + moe_workspace(spec, r.tensor_parallel, cfg.model.dtype)
+             + VLLM_GRAPH_POOL) if vllm else 0.0
+    # awake, all of it inside the engine's budget (vLLM >= 0.21 counts its CUDA graphs in)
+    engine_awake = max(engine_budget, engine_weights + pools)
+    engine_asleep = 0.0 if r.sleep_between_phases else engine_awake
+    offloaded = p.offload_learner != "never"
+    learner_while_generating = 0.0 if offloaded else state
+    learner_at_sync = params_b if offloaded else state
+    stream = stream_bytes(spec, tp, p.pipeline, r.weight_bucket_mb << 20, cfg.model.dtype)
+    reload = reload_bytes(spec, cfg.model.dtype) if vllm else 0.0
+    transitions = {
+        "start": CUDA_CONTEXT + nccl + engine_awake + learner_while_generating,
+        "sync": resident + learner_at_sync + engine_weights + pools + stream + reload,
+        "generate": resident + engine_awake + learner_while_generating,
+        "evaluate": resident + engine_awake + learner_while_generating,
+        "optimize": resident + state + act + logits + engine_asleep,
+        "save": resident + state + engine_asleep,
+    }
+    peak_name = max(transitions, key=transitions.get)
+    margin = MARGIN * gpu_gib * GIB
+    # the run's peak with each recomputation choice (only the optimizer's transition changes)
+    peak_by_recompute = {
+        choice: max(*(v for k, v in transitions.items() if k != "optimize"),
+                    transitions["optimize"] - act + activation_bytes(cfg, spec, dp, choice)[0])
+        for choice in RECOMPUTE_COST}
+    fitting = [c for c, v in peak_by_recompute.items() if v + margin <= gpu_gib * GIB]
+    # host, pinned: the learner's offload in chunks, the sleeping engine's backups one by one
+    learner_host = math.ceil((params_b + optim_b) / HOST_CHUNK) * HOST_CHUNK if offloaded else 0
+    engine_host = (engine_tensors.pinned + pinned(VLLM_RUNTIME) + pinned(VLLM_GRAPH_POOL)
+                   if vllm and r.sleep_between_phases else 0)
+    return {
+        "dp": dp, "gpu_gib": gpu_gib, "parameters_total": total,
+        "parameters_per_gpu": stage_params, "params": params_b, "grads": grads_b,
+        "optimizer": optim_b, "learner_state": state, "learner_at_sync": learner_at_sync,
+        "activations": act, "logits": logits, "learner": state + act + logits,
+        "cuda_context": CUDA_CONTEXT, "nccl": nccl, "communicators": comms, "fp8_cache": fp8_cache,
+        "engine_weights": engine_weights, "kv_cache": kv, "kv_tokens": kv / kv_per_token,
+        "engine": engine_awake, "engine_pools": pools, "stream": stream, "reload": reload,
+        "offloaded": offloaded, "transitions": transitions, "peak_transition": peak_name,
+        "peak": transitions[peak_name], "margin": margin,
+        "peak_by_recompute": peak_by_recompute,
+        "cheapest_recompute": fitting[0] if fitting else None,
+        "host_learner": learner_host, "host_engine": engine_host,
+        "host_per_node": ranks_per_node * (learner_host + engine_host),
+        "host_unrounded_per_node": ranks_per_node * ((params_b + optim_b if offloaded else 0)
+                                                     + (engine_weights if engine_host else 0)),
+        "ranks_per_node": ranks_per_node, "microbatches_in_flight": in_flight,
+        "seq_len": cfg.max_sequence_tokens,
+    }
