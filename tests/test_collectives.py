@@ -92,3 +92,30 @@ def test_the_guard_sees_a_rank_that_skips_a_collective():
     assert "rank 0 issued 1 collectives, rank 1 0" in mismatches([same, fewer])[0]
     sent = {"calls": {}, "p2p": {"1:send": [[[2], "float32"]]}}
     assert "sent 1 tensors to rank 1" in mismatches([sent, {"calls": {}, "p2p": {}}])[0]
+
+
+@pytest.mark.parametrize("ranks, job", CASES, ids=[LAYOUTS[r][i][0].split(" ")[0]
+                                                   for r, i in CASES])
+def test_the_dry_run_counts_every_communicator_a_rank_uses(results, ranks, job):
+    """NCCL allocates a communicator's buffers when it runs its first collective: one for every
+    group a rank issues collectives on (megatron keeps several groups of the same ranks: DP and
+    its context-parallel twin, TP x DP and its twin...) and one for each point-to-point peer.
+    The dry run's count (dryrun.memory.communicators, with FP8 as the emulation has it) is at
+    least what each rank of each scaled-down layout used in an update, a scoring pass and a
+    weight sync's stream."""
+    from dataclasses import replace
+
+    from mugrpo_megatron.config.loader import load_config
+    from mugrpo_megatron.dryrun.memory import communicators
+
+    _, _, overrides = LAYOUTS[ranks][job]
+    cfg = load_config(None, [*COMMON, *overrides])
+    cfg = replace(cfg, model=replace(cfg.model, dtype="bfloat16", fp8_format="hybrid"))
+    counted = communicators(cfg, cfg.parallel.data_parallel(ranks))
+    learner = sum(v for k, v in counted.items() if k != "engine")
+    got = results[ranks, job]
+    for rank in range(ranks):
+        groups = {key for r in got["steps"].values() for key, calls in
+                  r["logs"][rank]["calls"].items() if calls and "," in key.split(":")[1]}
+        peers = {key.split(":")[0] for r in got["steps"].values() for key in r["logs"][rank]["p2p"]}
+        assert len(groups) + len(peers) <= learner, (rank, sorted(groups), peers, counted)

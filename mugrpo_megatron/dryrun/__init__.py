@@ -71,7 +71,8 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"with the weights; on the host while the engine sleeps)",
         f"  weight stream   {g(e['stream'])}  (the largest tensor, or a bucket twice across "
         f"stages)",
-        f"  engine reload   {g(e['reload'])}  (the module vLLM's layer-wise reload holds whole)",
+        f"  engine reload   {g(e['reload'])}  (a module's streamed tensors vLLM's layer-wise "
+        f"reload holds, and its new copy)",
         "per-GPU memory at each transition of a phase:",
         *[f"  {name:<9} {g(v)}  ({on_device[name]})" for name, v in e["transitions"].items()],
         f"  peak      {g(e['peak'])}  at {e['peak_transition']}, of {gpu_gib:g} GiB "

@@ -37,8 +37,10 @@ What one rank holds:
   the owner's tensors and the broadcast buffer), or the largest tensor, which travels alone
   (the vocabulary); and what vLLM's layer-wise reload keeps (``reload_bytes``): every tensor of
   the module being loaded until the module is complete, as full HF tensors (a fused MoE layer's
-  experts: 128 x 3 x 2048 x 768 bf16 = 1.2 GB at Qwen3-30B-A3B). Checked on CPU against the
-  allocator's peak while the stream is drained, and the tensors an engine update holds at once.
+  experts: 128 x 3 x 2048 x 768 bf16 = 1.2 GB at Qwen3-30B-A3B), and a new copy of the module's
+  shard that they are loaded into; the vocabulary's layers until the stream ends when vLLM
+  pads the vocabulary. Checked on CPU against the allocator's peak while the stream is drained,
+  and the streamed tensors an engine update holds at once.
 
 Host memory per node (``host_bytes``), pinned: torch's caching host allocator rounds every
 pinned allocation up to a power of two (torch 2.13/2.14 ``CachingHostAllocator::allocate``),
@@ -75,6 +77,8 @@ weights (a MoE model adds ``moe_workspace``)."""
 VLLM_BATCHED_TOKENS = 8192
 """Tokens vLLM schedules in one step at most (max_num_batched_tokens' default): what its fused
 MoE workspaces are sized by."""
+VLLM_VOCAB_PADDING = 64
+"""vLLM pads the vocabulary to a multiple of this (``DEFAULT_VOCAB_PADDING_SIZE``, 0.32-0.33)."""
 HOST_CHUNK = 1 << 28
 """The learner's pinned host chunk (``learner.offload.HOST_CHUNK``; the same number, kept here
 so the dry run imports nothing from the learner)."""
@@ -201,15 +205,28 @@ def stream_bytes(spec: ModelSpec, tp: int, pp: int, bucket: int, dtype: str) -> 
     return max(largest, 2 * bucket if pp > 1 else 0)
 
 
-def reload_bytes(spec: ModelSpec, dtype: str) -> float:
-    """What vLLM's layer-wise reload keeps of the stream (0.16-0.33, ``reload/layerwise.py``:
-    a module's loaded tensors wait until all of them are there): the largest module of several
-    tensors, as full HF tensors: a MoE layer's experts, else gate and up or q, k and v."""
+def reload_held(spec: ModelSpec, dtype: str) -> tuple[float, float]:
+    """The streamed tensors vLLM's layer-wise reload holds at most (0.32-0.33,
+    ``reload/layerwise.py``), as (the largest module's, the vocabulary's): a module's tensors
+    wait, as the full HF tensors the sync sends, until every element of the module is loaded:
+    a MoE layer's experts, else gate and up or q, k and v. A vocabulary that is not a multiple
+    of 64 (vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``) leaves its padded rows unloaded, so the
+    embedding and the output layer wait for ``finalize_layerwise_reload`` at the stream's end."""
     h, w = spec.hidden_size, BYTES[dtype]
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * h
     mlp = (spec.num_experts * 3 * spec.moe_ffn_hidden_size * h if spec.is_moe
            else 2 * spec.ffn_hidden_size * h)
-    return max(qkv, mlp) * w
+    vocab_waits = spec.vocab_size % VLLM_VOCAB_PADDING != 0
+    vocab = spec.vocab_size * h * (1 if spec.tie_embeddings else 2) if vocab_waits else 0
+    return max(qkv, mlp) * w, vocab * w
+
+
+def reload_bytes(spec: ModelSpec, engine_tp: int, dtype: str) -> float:
+    """What vLLM's layer-wise reload holds beside the engine's weights: the streamed tensors of
+    ``reload_held``, and the module being loaded materialized anew (its shard, a second copy
+    beside the one in place until the loaded values are copied over)."""
+    module, vocab = reload_held(spec, dtype)
+    return module * (1 + 1 / engine_tp) + vocab
 
 
 def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
@@ -267,7 +284,7 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     learner_while_generating = 0.0 if offloaded else state
     learner_at_sync = params_b if offloaded else state
     stream = stream_bytes(spec, tp, p.pipeline, r.weight_bucket_mb << 20, cfg.model.dtype)
-    reload = reload_bytes(spec, cfg.model.dtype) if vllm else 0.0
+    reload = reload_bytes(spec, r.tensor_parallel, cfg.model.dtype) if vllm else 0.0
     transitions = {
         "start": CUDA_CONTEXT + nccl + engine_awake + learner_while_generating,
         "sync": resident + learner_at_sync + engine_weights + pools + stream + reload,

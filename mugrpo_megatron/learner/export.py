@@ -108,7 +108,7 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
                     yield name, t.to(dtype)
                 else:
                     yield name, t if fresh else t.clone()
-            del tensors
+            tensors = t = None  # the last tensor handed out is not held while the next is made
 
 
 class _ExpertGroups:
