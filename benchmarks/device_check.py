@@ -20,7 +20,9 @@ runs at a tiny size so that the script is tested; its numbers mean nothing there
    lengths: log-prob difference and train-step speed-up.
 5. learner_fp8: section 2 with FP8 (Transformer Engine, 'hybrid' format, delayed scaling), when TE
    is importable; then a batch whose length is a multiple of neither 8 nor 16 (TE's FP8 GEMMs
-   refuse such token counts; the learner pads them: ``layout/shapes.py``), scored and trained.
+   refuse such token counts; the learner pads them: ``layout/shapes.py``), scored and trained;
+   and TE's amax reductions counted per microbatch in updates of 1, 2 and 4 microbatches (the
+   rule behind equal microbatch counts across data-parallel ranks: ``Learner._equal_count``).
 6. engine: vLLM when importable: start-up with the learner offloaded, weight sync from the
    learner, generation tokens/s, sleep and wake times, and the train/inference log-prob gap of
    the engine's samples scored by the learner, in the training dtype.
@@ -46,7 +48,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import random_batch, summarize, table, write_json  # noqa: E402
-from device_phase import checkpoint_section, fp8_odd_lengths, transitions_section  # noqa: E402
+from device_phase import (  # noqa: E402
+    checkpoint_section,
+    fp8_amax_per_microbatch,
+    fp8_odd_lengths,
+    transitions_section,
+)
 
 SIZES = {  # random llama-shaped models
     "tiny": dict(hidden_size=256, ffn_hidden_size=704, num_heads=4, num_kv_heads=2, num_layers=2,
@@ -311,7 +318,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--sections", default="ceiling,learner_bf16,offload,reshard,packing,engine,"
-                                          "transitions,checkpoint,learner_fp8,fp8_odd_lengths")
+                                          "transitions,checkpoint,learner_fp8,fp8_odd_lengths,"
+                                          "fp8_amax_per_microbatch")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     big = args.size != "tiny"
@@ -371,6 +379,14 @@ def main() -> None:
 
     if "fp8_odd_lengths" in sections:
         run_section("fp8_odd_lengths", odd, results)
+
+    def amax():
+        if results.get("learner_fp8", {}).get("status") != "ok":
+            raise _Skip("the FP8 learner did not run")
+        return fp8_amax_per_microbatch(state, args)
+
+    if "fp8_amax_per_microbatch" in sections:
+        run_section("fp8_amax_per_microbatch", amax, results)
     rows = [[k, v["status"], _headline(k, v)] for k, v in results.items() if isinstance(v, dict)
             and "status" in v]
     print(table(["section", "status", "numbers"], rows))
@@ -409,6 +425,9 @@ def _headline(name: str, v: dict) -> str:
                 f"bit-exact {v['weights_bit_exact']}")
     if name == "fp8_odd_lengths":
         return f"seq {v['seq']} padded to a multiple of {v['token_multiple']}: loss {v['loss']:.4f}"
+    if name == "fp8_amax_per_microbatch":
+        return (f"amax reductions a microbatch: {v['forward_per_microbatch']:g} forward, "
+                f"{v['backward_per_microbatch']:g} backward, at 1, 2 and 4 microbatches")
     if name == "engine":
         return (f"{v['generate']['tokens_per_s']:.0f} tok/s, sync {v['sync']['gb_s']:.2f} GB/s, "
                 f"gap {v['logprob_gap']['mean']:.2e} (max {v['logprob_gap']['max']:.2e})"

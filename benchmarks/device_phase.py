@@ -1,6 +1,7 @@
 """``benchmarks/device_check.py``'s sections on a phase's life: device memory at each transition,
-a checkpoint save and load, and FP8 on token counts TE's GEMMs refuse unpadded (issue 20's checks,
-kept apart so that each file stays readable)."""
+a checkpoint save and load, FP8 on token counts TE's GEMMs refuse unpadded (issue 20's checks),
+and TE's amax reductions counted per microbatch (issue 29's rule), kept apart so that each file
+stays readable."""
 
 from __future__ import annotations
 
@@ -25,6 +26,54 @@ def fp8_odd_lengths(state: dict, args) -> dict:
     return {"seq": int(batch.tokens.shape[1]), "token_multiple": learner.token_multiple,
             "logp_finite": bool(torch.isfinite(logp).all()), "loss": step.loss,
             "skipped": step.skipped}
+
+
+def fp8_amax_per_microbatch(state: dict, args) -> dict:
+    """The rule that makes data-parallel ranks run equal microbatch counts, read off Transformer
+    Engine itself: with delayed scaling it reduces amax (an all-reduce over megatron's
+    amax-reduction group, which spans data parallelism, once there are several ranks) per
+    microbatch, forward and backward. Updates of 1, 2 and 4 microbatches each count
+    ``FP8GlobalStateManager.reduce_and_update_fp8_tensors`` calls by direction; the rule holds
+    when the calls per microbatch are the same at every count (so a rank with fewer microbatches
+    would issue fewer collectives: tests/test_collectives.py emulates exactly this on gloo)."""
+    from transformer_engine.pytorch import quantization
+
+    manager = quantization.FP8GlobalStateManager
+    learner = state["learner"]
+    calls = {"forward": 0, "backward": 0}
+    original = manager.reduce_and_update_fp8_tensors.__func__
+    ran: list[int] = []
+    run = learner._run
+
+    def counting(cls, forward: bool = True) -> None:
+        calls["forward" if forward else "backward"] += 1
+        return original(cls, forward)
+
+    def counted_run(microbatches, *a, **k):
+        ran.append(len(microbatches))
+        return run(microbatches, *a, **k)
+
+    rows = []
+    manager.reduce_and_update_fp8_tensors = classmethod(counting)
+    learner._run = counted_run
+    try:
+        for k in (1, 2, 4):
+            batch = random_batch(args.micro * k, args.seq // 4, args.seq - args.seq // 4,
+                                 learner.spec.vocab_size, seed=k)
+            calls.update(forward=0, backward=0)
+            ran.clear()
+            step = learner.train_step(batch)
+            rows.append({"microbatches": sum(ran), "forward_reductions": calls["forward"],
+                         "backward_reductions": calls["backward"], "skipped": step.skipped})
+    finally:
+        manager.reduce_and_update_fp8_tensors = classmethod(original)
+        del learner._run
+    per = {(r["forward_reductions"] / r["microbatches"], r["backward_reductions"] / r["microbatches"])
+           for r in rows}
+    if len(per) != 1 or min(next(iter(per))) < 1:
+        raise AssertionError(f"amax reductions are not a fixed number per microbatch: {rows}")
+    fwd, bwd = next(iter(per))
+    return {"updates": rows, "forward_per_microbatch": fwd, "backward_per_microbatch": bwd}
 
 
 def _device_memory() -> dict:
