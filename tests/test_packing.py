@@ -72,7 +72,7 @@ def test_thd_parameters_meet_transformer_engine_and_megatron_rules():
     least every segment (its RoPE table and TE's kernels are sized by it), and below the row's
     length when a row holds two segments, else its unfused THD RoPE places each sequence at its
     offset in the row (positions would not restart at 0 as position_ids say they do)."""
-    from mugrpo_megatron.learner.learner import _filler
+    from mugrpo_megatron.learner.microbatch import filler
 
     g = torch.Generator().manual_seed(2)
     for capacity in (16, 128, 512, 4096):
@@ -91,5 +91,5 @@ def test_thd_parameters_meet_transformer_engine_and_megatron_rules():
                 assert row.max_seqlen < capacity
             for start, n in zip(cu[:-1].tolist(), lens):  # each sequence starts at position 0
                 assert row.position_ids[0, start:start + n].tolist() == list(range(n))
-    empty = _filler(128, train=True).packed
+    empty = filler(128, train=True).packed
     assert empty.cu_seqlens().tolist() == [0, 128] and empty.max_seqlen == 128

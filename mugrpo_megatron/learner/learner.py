@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -36,6 +36,14 @@ from megatron.core.transformer.module import Float16Module
 from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config, ModelConfig, OptimConfig, ParallelConfig
 from mugrpo_megatron.layout import pack_capacity, round_up, token_multiple
+from mugrpo_megatron.learner.logits import policy_logits, vocab_parallel_entropy
+from mugrpo_megatron.learner.microbatch import (
+    MicroBatch,
+    filler,
+    next_aligned,
+    per_sequence,
+    right_padded,
+)
 from mugrpo_megatron.learner.model import (
     DTYPES,
     build_chunks,
@@ -47,14 +55,11 @@ from mugrpo_megatron.learner.model import (
     uses_transformer_engine,
 )
 from mugrpo_megatron.learner.offload import HostOffload, OffloadStats
-from mugrpo_megatron.learner.packing import PackedRow, pack_row, plan_bins, sequence_lengths
+from mugrpo_megatron.learner.packing import pack_row, plan_bins, sequence_lengths
 from mugrpo_megatron.models.hf_config import read_model_spec
 from mugrpo_megatron.objective import metric_sums, metrics_from_sums, policy_loss
 from mugrpo_megatron.types import TokenBatch, TrainBatch
 
-_PAD_LOGIT = -1e30  # padded vocabulary entries: exp() of it is 0, and 0 * it is not NaN
-_ENTROPY_CHUNK = 1 << 26
-"""Logits the entropy exponentiates at a time (256 MB in fp32)."""
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(log-probs, behaviour log-probs, advantages, loss mask, num_tokens=) -> (loss, metrics): the
 objective a train step minimises (``objective.policy_loss`` with a run's clip and veto)."""
@@ -78,30 +83,6 @@ class StepResult:
     """The objective's metrics over the whole minibatch (see objective.policy_loss)."""
     seconds: float = 0.0
     """Wall time of the update."""
-
-
-@dataclass
-class _MicroBatch:
-    """b sequences, padded ([b, S] inputs) or packed into one row ([1, T] inputs, ``packed``).
-
-    The per-sequence tensors are ``[b, L]`` and next-aligned (L = S padded, the longest sequence
-    packed): position j is about predicting token j + 1 of that sequence."""
-
-    rows: slice | torch.Tensor  # rows of the batch given
-    tokens: torch.Tensor        # [b, S] or [1, T]
-    position_ids: torch.Tensor  # like tokens
-    labels: torch.Tensor        # like tokens: the next token (0 at each sequence's end)
-    loss_mask: torch.Tensor     # [b, L] next token is a response token
-    behav_logp: torch.Tensor | None = None  # [b, L]
-    advantages: torch.Tensor | None = None  # [b]
-    packed: PackedRow | None = None
-
-
-def _next_aligned(x: torch.Tensor) -> torch.Tensor:
-    """[B, S] aligned with tokens -> aligned with the prediction of the next token."""
-    out = torch.zeros_like(x)
-    out[:, :-1] = x[:, 1:]
-    return out
 
 
 class Learner:
@@ -177,7 +158,7 @@ class Learner:
         seq = batch.tokens.shape[1]
         if seq % self.token_multiple == 0:
             return batch
-        return _right_padded(batch, round_up(seq, self.token_multiple))
+        return right_padded(batch, round_up(seq, self.token_multiple))
 
     def _dp_local_tokens(self, batch: TrainBatch, count: torch.Tensor
                          ) -> tuple[TrainBatch, torch.Tensor]:
@@ -193,7 +174,7 @@ class Learner:
         if self.parallel.expert > 1 and not self.pack_capacity:
             seq = torch.tensor(batch.tokens.shape[1], device=distributed.device())
             dist.all_reduce(seq, op=dist.ReduceOp.MAX, group=group)
-            batch = _right_padded(batch, int(seq))  # a read, with expert parallelism only
+            batch = right_padded(batch, int(seq))  # a read, with expert parallelism only
         return batch, count
 
     def dp_rows(self, num_rows: int) -> slice:
@@ -207,16 +188,16 @@ class Learner:
         return slice(self.layout.dp_rank * per_rank, (self.layout.dp_rank + 1) * per_rank)
 
     def _microbatches(self, batch: TokenBatch, train: bool, dp_local: bool = False,
-                      capacity: int | None = None) -> list[_MicroBatch]:
+                      capacity: int | None = None) -> list[MicroBatch]:
         """This rank's rows of ``batch`` (all of them with ``dp_local``) as microbatches, packed
         into rows of ``capacity`` tokens (default ``pack_capacity``; 0: padded)."""
         mbs = self.parallel.micro_batch_size
         mine = slice(0, batch.size) if dp_local else self.dp_rows(batch.size)
         lo, per_rank = mine.start, mine.stop - mine.start
         seq = batch.tokens.shape[1]
-        labels = _next_aligned(batch.tokens)
-        loss_mask = _next_aligned(batch.response_mask.bool())
-        behav = _next_aligned(batch.behav_logp.float()) if train else None
+        labels = next_aligned(batch.tokens)
+        loss_mask = next_aligned(batch.response_mask.bool())
+        behav = next_aligned(batch.behav_logp.float()) if train else None
         capacity = self.pack_capacity if capacity is None else capacity
         if capacity:
             return self._packed_microbatches(batch, range(lo, lo + per_rank), labels, loss_mask,
@@ -225,7 +206,7 @@ class Learner:
         for start in range(lo, lo + per_rank, mbs):
             rows = slice(start, min(start + mbs, lo + per_rank))
             n = rows.stop - rows.start
-            out.append(_MicroBatch(
+            out.append(MicroBatch(
                 rows=rows, tokens=batch.tokens[rows], position_ids=torch.arange(seq).expand(n, seq),
                 labels=labels[rows], loss_mask=loss_mask[rows],
                 behav_logp=behav[rows] if behav is not None else None,
@@ -233,18 +214,18 @@ class Learner:
         return out
 
     def _packed_microbatches(self, batch: TokenBatch, rows: range, labels, loss_mask, behav,
-                             train: bool, capacity: int) -> list[_MicroBatch]:
+                             train: bool, capacity: int) -> list[MicroBatch]:
         """This DP rank's rows packed into rows of ``capacity`` tokens, one per microbatch, as
         many microbatches as every other rank of its data-parallel group runs (``_equal_count``)."""
         rows = list(rows)
         lengths = sequence_lengths(batch.response_mask[rows])
         bins = plan_bins(lengths, capacity)
-        out = [_filler(capacity, train) for _ in range(self._equal_count(len(bins)) - len(bins))]
+        out = [filler(capacity, train) for _ in range(self._equal_count(len(bins)) - len(bins))]
         for members in bins:
             idx = torch.tensor([rows[i] for i in members])
             lens = [lengths[i] for i in members]
             width = max(lens)
-            out.append(_MicroBatch(
+            out.append(MicroBatch(
                 rows=idx, packed=(p := pack_row(batch.tokens[idx], lens, capacity)),
                 tokens=p.tokens, position_ids=p.position_ids, labels=p.labels,
                 loss_mask=loss_mask[idx, :width] & p.valid,
@@ -272,7 +253,7 @@ class Learner:
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
         return int(n)
 
-    def _run(self, microbatches: list[_MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
+    def _run(self, microbatches: list[MicroBatch], loss_fn, forward_only: bool) -> list[dict]:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             device = distributed.device()
@@ -301,57 +282,14 @@ class Learner:
 
     # ------------------------------------------------------------------ log-probs
 
-    def _policy_logits(self, logits_bsv: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of this TP rank's vocabulary shard as the engine samples them: divided by
-        the temperature, the padded vocabulary entries set to -1e30. In place where the model's
-        output is fp32 already (megatron's ``Float16Module`` hands the last stage's output over
-        in fp32, and the fp32 model's is its own): no copy at temperature 1, one at any other
-        (and one in the backward pass). The padded entries are set without autograd: their
-        gradient is their softmax, exp(-1e30) = 0, either way, and a masked_fill would copy the
-        logits once more in each pass."""
-        logits = logits_bsv.float()
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        vocab_local = logits.shape[-1]
-        real = self.spec.vocab_size - self.layout.tp_rank * vocab_local
-        if real < vocab_local:
-            with torch.no_grad():
-                logits[..., max(real, 0):] = _PAD_LOGIT
-        return logits
-
     def token_logprobs(self, logits_bsv: torch.Tensor, labels_bs: torch.Tensor,
                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log-probs ``[b, s]`` from this TP rank's vocabulary shard, without gathering
-        the vocabulary, and with ``with_entropy`` the policy's entropy at each position (no
-        gradient). Memory beyond the model's fp32 output: nothing at temperature 1 (megatron's
-        cross entropy works in place on its input and keeps it as the softmax for the backward
-        pass; the entropy takes chunks of ``_ENTROPY_CHUNK`` logits); this took three fp32 copies
-        of the logits before (a float, a tempered and a transposed one: ~14 GiB a microbatch of
-        8192 tokens at a 151,936-token vocabulary)."""
-        logits = self._policy_logits(logits_bsv)
-        entropy = self._entropy(logits) if with_entropy else None
+        """Per-token log-probs ``[b, s]`` of this TP rank's output, and with ``with_entropy``
+        the policy's entropy at each position (``learner.logits``)."""
+        logits = policy_logits(logits_bsv, self.temperature, self.spec.vocab_size,
+                               self.layout.tp_rank)
+        entropy = vocab_parallel_entropy(logits) if with_entropy else None
         return -tensor_parallel.vocab_parallel_cross_entropy(logits, labels_bs), entropy
-
-    @torch.no_grad()
-    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Per-position entropy of the tempered next-token distribution whose vocabulary shard
-        ``logits`` holds, reduced over the TP group: two all-reduces of a few floats a position
-        (the max, then the normaliser and E[logit] together), the same on every TP rank. Costs
-        ~4 passes over the logits in chunks (at the 70B config, 4096 x 16,032 logits a
-        microbatch: ~0.4 ms on an H100 against ~150 ms for the microbatch's forward and backward;
-        256 MB at most beside them)."""
-        group = mpu.get_tensor_model_parallel_group()
-        flat = logits.reshape(-1, logits.shape[-1])
-        m = flat.amax(dim=-1)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        sums = torch.empty(2, flat.shape[0], dtype=flat.dtype, device=flat.device)
-        rows = max(1, _ENTROPY_CHUNK // flat.shape[-1])
-        for lo in range(0, flat.shape[0], rows):
-            e = torch.exp(flat[lo:lo + rows] - m[lo:lo + rows, None])
-            sums[0, lo:lo + rows] = e.sum(-1)
-            sums[1, lo:lo + rows] = torch.linalg.vecdot(e, flat[lo:lo + rows])
-        dist.all_reduce(sums, group=group)
-        return (torch.log(sums[0]) + m - sums[1] / sums[0]).view(logits.shape[:-1])
 
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch, with_entropy: bool = False, *, packed: bool = True
@@ -364,12 +302,12 @@ class Learner:
         batch = self._fit_sequence(batch)
         microbatches = self._microbatches(batch, train=False, capacity=None if packed else 0)
 
-        def loss_fn(mb: _MicroBatch, output: torch.Tensor):
+        def loss_fn(mb: MicroBatch, output: torch.Tensor):
             logp, entropy = self.token_logprobs(output, mb.labels.to(output.device), with_entropy)
             # kept on the device: the rows are gathered and read back once (``_gather_rows``)
-            out = {"logp": _per_sequence(mb, logp), "rows": mb.rows}
+            out = {"logp": per_sequence(mb, logp), "rows": mb.rows}
             if with_entropy:
-                out["entropy"] = _per_sequence(mb, entropy)
+                out["entropy"] = per_sequence(mb, entropy)
             return output.new_zeros(()), out
 
         for m in self.model:
@@ -385,7 +323,7 @@ class Learner:
             ent = self._gather_rows(results, "entropy", batch)[:, :seq].contiguous()
         return logp, ent
 
-    def _calibrate_fp8(self, microbatches: list[_MicroBatch]) -> None:
+    def _calibrate_fp8(self, microbatches: list[MicroBatch]) -> None:
         """FP8 with delayed scaling, before a run's first update: one grad-enabled forward pass
         of this rank's first microbatch, its output dropped (no backward, no update). Leaving
         ``fp8_autocast`` with grad on, Transformer Engine reduces the amax over megatron's amax
@@ -425,7 +363,7 @@ class Learner:
         t0 = time.perf_counter()
         # The global count of response tokens (next-aligned, before the veto): every microbatch's
         # loss is divided by it, so the update does not depend on the layout or the split.
-        num_tokens = _next_aligned(batch.response_mask.bool()).sum().to(distributed.device())
+        num_tokens = next_aligned(batch.response_mask.bool()).sum().to(distributed.device())
         if dp_local:
             batch, num_tokens = self._dp_local_tokens(batch, num_tokens)
         batch = self._fit_sequence(batch)
@@ -434,12 +372,12 @@ class Learner:
         # undo both so the gradient is that of the whole minibatch's loss.
         scale = len(microbatches) * self.layout.dp_size
 
-        def loss_fn(mb: _MicroBatch, output: torch.Tensor):
+        def loss_fn(mb: MicroBatch, output: torch.Tensor):
             device = output.device
             logp, entropy = self.token_logprobs(output, mb.labels.to(device), with_entropy=True)
             loss, metrics = self.loss(
-                _per_sequence(mb, logp), mb.behav_logp.to(device), mb.advantages.to(device),
-                mb.loss_mask.to(device), num_tokens=num_tokens, entropy=_per_sequence(mb, entropy))
+                per_sequence(mb, logp), mb.behav_logp.to(device), mb.advantages.to(device),
+                mb.loss_mask.to(device), num_tokens=num_tokens, entropy=per_sequence(mb, entropy))
             metrics["loss"] = loss.detach().float()
             return loss * scale, metrics
 
@@ -536,31 +474,3 @@ class Learner:
             inner = m.module
             out.append(inner.module if isinstance(inner, Float16Module) else inner)
         return out
-
-
-def _filler(capacity: int, train: bool) -> _MicroBatch:
-    """A packed microbatch of padding only: no sequence of the batch, no loss, no result row (it
-    keeps ranks that must step together in step; see ``Learner._equal_count``)."""
-    zeros = torch.zeros(1, capacity, dtype=torch.long)
-    packed = PackedRow(tokens=zeros, position_ids=torch.arange(capacity)[None], labels=zeros,
-                       lengths=[capacity], unpack=torch.arange(capacity)[None],
-                       valid=torch.zeros(1, capacity, dtype=torch.bool))
-    return _MicroBatch(rows=torch.zeros(0, dtype=torch.long), tokens=zeros,
-                       position_ids=packed.position_ids, labels=zeros, loss_mask=packed.valid,
-                       behav_logp=torch.zeros(1, capacity) if train else None,
-                       advantages=torch.zeros(1) if train else None, packed=packed)
-
-
-def _right_padded(batch: TokenBatch, seq: int) -> TokenBatch:
-    """``batch`` right-padded to ``seq`` positions (padding is no response token: no loss and no
-    log-prob sees it)."""
-    pad = partial(torch.nn.functional.pad, pad=(0, seq - batch.tokens.shape[1]))
-    extra = {"behav_logp": pad(batch.behav_logp)} if isinstance(batch, TrainBatch) else {}
-    return replace(batch, tokens=pad(batch.tokens), response_mask=pad(batch.response_mask),
-                   **extra)
-
-
-def _per_sequence(mb: _MicroBatch, values: torch.Tensor) -> torch.Tensor:
-    """Per-position values of the model's rows -> ``[b, L]`` per sequence (unpacked if packed)."""
-    return mb.packed.unpack_values(values) if mb.packed is not None else values
-
