@@ -277,6 +277,8 @@ def describe_schedule(cfg: Config) -> str:
                   f"last {a.drift_window} updates reaches max_drift = {a.max_drift:g}: "
                   f"{a.num_phases} to {a.max_phases} phases and weight syncs (an outcome); a "
                   f"phase after an early end generates for the updates the last "
-                  f"{PLANNED_FROM} phases ran, at most the first phase's")
+                  f"{PLANNED_FROM} phases ran, at most the first phase's, so the largest phase "
+                  f"is a full one (no device memory depends on a phase's size: its rollouts "
+                  f"go to disk and each update reads its rows)")
     return (f"{phases}; each phase (of mu updates) {a.prompts_per_phase} prompts x G={g} = "
             f"{samples} responses, {a.samples_per_update} per update ({reuse})")
