@@ -55,8 +55,22 @@ class PeakHeap(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            # Gloo runs a collective on its worker thread, and an all-gather there stages the
+            # whole output in a flat buffer of its own (torch 2.x ProcessGroupGloo.cpp,
+            # AsyncAllgatherWork: newLikeFlat, freed when the work is done); NCCL, what the dry
+            # run budgets, gathers into the output. Read the heap once the work is done, so
+            # that the reading neither races the worker thread nor counts gloo's staging.
+            for work in _works(out):
+                work.wait()
         self.peak = max(self.peak, heap_in_use() - self.base)
         return out
+
+
+def _works(out) -> list:
+    """The work handles among a c10d op's outputs (boxed: the dispatcher's view of them)."""
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    return [torch.distributed.Work.unbox(x) for x in items if isinstance(x, torch.ScriptObject)]
 
 
 def learner_mode(hf_dir: str) -> dict:
