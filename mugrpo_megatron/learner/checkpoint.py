@@ -48,7 +48,6 @@ OPTIMIZER_FORMAT = "fully_sharded_model_space"
 """The distributed optimizer's checkpoint layout for new saves (see the module docstring)."""
 _LEGACY_FORMAT = "fully_reshardable"
 """What checkpoints without an 'optimizer_format' in state.json were saved in."""
-"""The HF config and tokenizer files kept inside a checkpoint."""
 STATE_FILE = "state.json"
 """Counters, LR schedule and flags; written last, so its presence marks a complete checkpoint."""
 
