@@ -1,7 +1,11 @@
-"""The Mu-GRPO objective: group advantages, the negative-advantage veto, the clipped policy loss.
+"""The Mu-GRPO objective: group advantages, the negative-advantage veto, the clipped policy loss,
+and the GRPO family's terms around it (loss aggregation, KL to a reference or to the behaviour
+policy, an entropy bonus, DAPO's overlong penalty).
 
 Pure torch, no distributed state, so that every learner layout calls the same code and the tests
-can check it against a per-token Python loop.
+can check it against a per-token Python loop. The formulas follow verl's ``core_algos``
+(``agg_loss``, ``kl_penalty_forward``; read at verl commit b178a3cd5) and DAPO (Yu et al. 2025);
+where ours differ, the docstring says how.
 
 Shapes: ``B`` responses, ``T`` token positions (padded). ``*_bt`` tensors are ``[B, T]``.
 """
@@ -13,10 +17,22 @@ import math
 import torch
 
 VETO_SCOPES: tuple[str, ...] = ("none", "trigger", "suffix", "suffix_no_trigger", "sequence", "prefix")
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                      "seq-mean-token-sum-norm")
+"""How token losses become the minibatch's loss (verl's ``loss_agg_mode`` names)."""
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+"""Schulman's estimators of KL(pi_theta || pi_ref) from the sampled token's log-probs: verl's
+``kl`` / ``mse`` / ``low_var_kl``."""
+K3_LOG_RATIO_CLAMP = 20.0
+"""k3 clamps log(pi_ref / pi_theta) to +-20 before exponentiating (verl, TRL)..."""
+K3_CLAMP = 10.0
+"""...and the estimate to [-10, 10]: a token beyond either clamp adds a constant (no gradient)."""
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages: ``(r - group mean) / (group std + eps)`` per group.
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
+                     norm_by_std: bool = True) -> torch.Tensor:
+    """GRPO advantages: ``(r - group mean) / (group std + eps)`` per group; with ``norm_by_std``
+    False, Dr.GRPO's ``r - group mean`` (verl's ``norm_adv_by_std_in_grpo: false``).
 
     Groups are consecutive runs of ``group_size`` elements of ``rewards`` (flattened). The std is
     the sample std (Bessel-corrected), as verl and TRL compute it. A group whose rewards are all
@@ -39,7 +55,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
         std_g = r_gk.std(dim=1, keepdim=True)
     else:
         std_g = torch.zeros_like(mean_g)
-    adv_gk = (r_gk - mean_g) / (std_g + eps)
+    adv_gk = (r_gk - mean_g) / (std_g + eps) if norm_by_std else r_gk - mean_g
     uniform_g = (r_gk.amax(dim=1, keepdim=True) == r_gk.amin(dim=1, keepdim=True))
     adv_gk = torch.where(uniform_g, torch.zeros_like(adv_gk), adv_gk)
     if not torch.isfinite(adv_gk).all():  # the squares of rewards near 1e154 overflow
@@ -47,6 +63,20 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
         raise ValueError(f"group {bad}: rewards {r_gk[bad].tolist()} are too large to normalise")
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     return adv_gk.reshape(rewards.shape).to(out_dtype)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_tokens: int,
+                     factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; verl's ``overlong_buffer``): 0 for
+    a response of at most ``max_new_tokens - buffer_tokens`` tokens, then falling linearly to
+    ``-factor`` at ``max_new_tokens`` (the longest a response can be here: longer ones are cut
+    there, so DAPO's -1 beyond the limit is the value at it). Added to the reward before
+    advantages. float64, the shape of ``lengths``; zeros when ``buffer_tokens`` is 0."""
+    lengths = torch.as_tensor(lengths, dtype=torch.float64)
+    if buffer_tokens <= 0:
+        return torch.zeros_like(lengths)
+    exceed = lengths - (max_new_tokens - buffer_tokens)
+    return torch.clamp(-exceed / buffer_tokens * factor, max=0.0)
 
 
 def veto_mask(
@@ -108,6 +138,55 @@ def veto_mask(
     return response_bt & ~masked_bt
 
 
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from the sampled token's log-probs (Schulman
+    2020), as verl's ``kl_penalty_forward``: ``k1`` log(pi/pi_ref); ``k2`` 1/2 log(pi/pi_ref)^2;
+    ``k3`` pi_ref/pi - log(pi_ref/pi) - 1, with log(pi_ref/pi) clamped to +-20 and the estimate to
+    [-10, 10] (``K3_*_CLAMP``; beyond them the token's term is constant and passes no gradient)."""
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k2":
+        return 0.5 * (logp - ref_logp).square()
+    if estimator == "k3":
+        log_ref_ratio = torch.clamp(ref_logp - logp, -K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+        return torch.clamp(torch.exp(log_ref_ratio) - log_ref_ratio - 1, -K3_CLAMP, K3_CLAMP)
+    raise ValueError(f"KL estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def sequence_weights(response_mask: torch.Tensor, agg: str, norm: float | None = None
+                     ) -> torch.Tensor:
+    """``[B, 1]``: what each response's token losses are multiplied by before they are summed and
+    divided by ``loss_denominator``: 1 for ``token-mean``, ``seq-mean-token-sum`` and
+    ``seq-mean-token-sum-norm``, 1 / (the response's token count) for ``seq-mean-token-mean``.
+    A response's count is its response tokens before the veto (the mask the engine gave), as
+    verl's ``loss_mask``; a response with none weighs 0."""
+    if agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {agg!r}")
+    if agg != "seq-mean-token-mean":
+        return torch.ones((response_mask.shape[0], 1), dtype=torch.float64,
+                          device=response_mask.device)
+    lengths = response_mask.sum(dim=1, keepdim=True).to(torch.float64)
+    return torch.where(lengths > 0, 1.0 / torch.clamp(lengths, min=1.0), torch.zeros_like(lengths))
+
+
+def loss_denominator(agg: str, num_tokens, num_sequences, norm: float | None) -> torch.Tensor:
+    """The minibatch's loss is sum(token loss x sequence weight) / this: its response tokens
+    (``token-mean``), its responses (``seq-mean-token-mean``, ``seq-mean-token-sum``) or its
+    responses x ``norm`` (``seq-mean-token-sum-norm``: Dr.GRPO's constant, the response-length
+    limit by default). Counts are the whole minibatch's, over every microbatch and DP rank, so
+    any split gives the one-big-batch value. verl divides ``seq-mean-token-sum-norm``'s sum by
+    the constant alone, per microbatch, then scales by the microbatch's share (its value then
+    depends on the split); ours is the mean over responses of each response's sum / ``norm``."""
+    if agg == "token-mean":
+        return torch.as_tensor(num_tokens)
+    seqs = torch.as_tensor(num_sequences)
+    if agg == "seq-mean-token-sum-norm":
+        if not (norm and norm > 0):
+            raise ValueError(f"seq-mean-token-sum-norm needs a positive norm, got {norm}")
+        return seqs * norm
+    return seqs
+
+
 def policy_loss(
     logp: torch.Tensor,
     behav_logp: torch.Tensor,
@@ -120,24 +199,41 @@ def policy_loss(
     veto_scope: str = "suffix",
     veto_prefix_bound: float | None = None,
     num_tokens: int | torch.Tensor | None = None,
+    num_sequences: int | torch.Tensor | None = None,
+    loss_agg: str = "token-mean",
+    loss_agg_norm: float | None = None,
     entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    ref_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped importance-sampled policy loss against stored behaviour log-probs, with the veto.
+    """Clipped importance-sampled policy loss against stored behaviour log-probs, with the veto,
+    and the optional KL and entropy terms.
 
     Per token: rho = exp(logp - behav_logp); surrogate = min(rho * A, clip(rho, 1 - clip_low,
-    1 + clip_high) * A); loss = -sum(surrogate over response tokens kept by the veto) / denominator.
-    The denominator is ``num_tokens`` when given (the global count of response tokens of the whole
-    minibatch, before the veto, so that any split across microbatches and DP ranks gives the same
-    gradient), else the local count of ``response_mask``. Gradients flow only through ``logp``.
-    ``veto_threshold=None`` disables the veto (``veto_prefix_bound`` is the bound of scope
-    'prefix'). Relaxed clipping [0, 5] is clip_low=1, clip_high=4. ``entropy`` ``[B, T]``, when
-    given, is the policy's entropy at each position (no gradient), reported as ``entropy_mean``
-    over the response tokens.
+    1 + clip_high) * A). The loss is, over the response tokens the veto keeps,
+
+        sum(w * (-surrogate + kl_coef * KL - entropy_coef * H)) / denominator
+
+    with w the response's ``sequence_weights`` and the denominator ``loss_denominator`` of
+    ``loss_agg`` (``token-mean``: the minibatch's response tokens, before the veto). The counts
+    are ``num_tokens`` and ``num_sequences`` when given (the whole minibatch's, over every
+    microbatch and DP rank, so that any split gives the same gradient), else this call's.
+    KL = ``kl_estimate(logp, ref_logp, kl_estimator)`` (``ref_logp``: a reference policy's
+    log-probs, or the behaviour policy's for a trust region), taken when ``kl_coef`` > 0; H =
+    ``entropy`` (the policy's entropy at each position), a bonus when ``entropy_coef`` > 0,
+    when its gradient flows (else it is only reported). The KL and entropy terms are aggregated
+    as the policy term is (verl: ``agg_loss`` with the same mode), over the tokens the veto
+    keeps (verl has no veto: there, every response token). Gradients flow through ``logp`` (and
+    ``entropy``). ``veto_threshold=None`` disables the veto (``veto_prefix_bound`` is the bound
+    of scope 'prefix'). Relaxed clipping [0, 5] is clip_low=1, clip_high=4.
 
     Metrics (0-dim detached float tensors): the means listed below over this call's tokens, and the
-    ``num_*`` counts they were taken over, so that callers can combine microbatches exactly. A
-    mean over no token (no A < 0 token in the call, say) is 0 here with a count of 0;
-    ``metrics_from_sums`` leaves it out.
+    ``num_*`` counts they were taken over, so that callers can combine microbatches exactly; and
+    the loss's parts (``pg_loss``, ``kl_loss``, ``entropy_loss``: each already divided by the
+    denominator, so they add up over microbatches). A mean over no token (no A < 0 token in the
+    call, say) is 0 here with a count of 0; ``metrics_from_sums`` leaves it out.
     """
     response_bt = response_mask.bool()
     adv_b1 = advantages.detach().reshape(-1, 1).to(logp.dtype)
@@ -158,9 +254,34 @@ def policy_loss(
     surrogate_bt = torch.minimum(surr_bt, surr_clipped_bt)
 
     num_local = response_bt.sum()
-    denom = num_local if num_tokens is None else torch.as_tensor(num_tokens)
-    denom = torch.clamp(denom.to(logp.dtype), min=1.0)
-    loss = -torch.where(keep_bt, surrogate_bt, torch.zeros_like(surrogate_bt)).sum() / denom
+
+    def count(given, local) -> torch.Tensor:  # at least 1: a minibatch of no token divides by 1
+        value = local if given is None else torch.as_tensor(given)
+        return torch.clamp(value.to(device=logp.device, dtype=logp.dtype), min=1.0)
+
+    denom = loss_denominator(loss_agg, count(num_tokens, num_local),
+                             count(num_sequences, response_bt.any(dim=1).sum()), loss_agg_norm)
+    weight_b1 = sequence_weights(response_bt, loss_agg).to(logp.dtype)
+    zero = torch.zeros_like(surrogate_bt)
+
+    def aggregated(per_token: torch.Tensor) -> torch.Tensor:
+        kept = torch.where(keep_bt, per_token, zero)
+        return (kept if loss_agg == "token-mean" else kept * weight_b1).sum() / denom
+
+    pg_loss = -aggregated(surrogate_bt)
+    loss = pg_loss
+    kl_bt = None
+    if kl_coef:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs ref_logp (the reference or behaviour log-probs)")
+        ref_bt = torch.where(response_bt, ref_logp.detach().to(logp.dtype), logp.detach())
+        kl_bt = torch.where(response_bt, kl_estimate(logp, ref_bt, kl_estimator), zero)
+        kl_loss = kl_coef * aggregated(kl_bt)
+        loss = loss + kl_loss
+    entropy_loss = None
+    if entropy_coef and entropy is not None and entropy.requires_grad:
+        entropy_loss = -entropy_coef * aggregated(torch.where(response_bt, entropy, zero))
+        loss = loss + entropy_loss
 
     with torch.no_grad():
         # A token is clipped when the clipped branch is strictly smaller: its gradient is zero.
@@ -191,10 +312,18 @@ def policy_loss(
             "num_neg_tokens": num_neg.to(torch.float32),
             "num_neg_kept_tokens": num_neg_kept.to(torch.float32),
             "num_neg_responses": num_neg_responses.to(torch.float32),
+            "pg_loss": pg_loss.detach(),
         }
         if entropy is not None:
             metrics["entropy_mean"] = _safe_div((entropy.detach() * response_bt).sum(), num_local)
             metrics["num_entropy_tokens"] = num_local.to(torch.float32)
+        if kl_bt is not None:
+            metrics["kl_mean"] = _safe_div((kl_bt.detach() * keep_bt).sum(), num_kept)
+            metrics["num_kl_tokens"] = num_kept.to(torch.float32)
+            metrics["kl_loss"] = kl_loss.detach()
+        if entropy_loss is not None:
+            metrics["entropy_loss"] = entropy_loss.detach()
+            metrics["num_entropy_bonus_tokens"] = num_kept.to(torch.float32)
     return loss, {k: v.detach().to(torch.float32) for k, v in metrics.items()}
 
 
@@ -218,23 +347,29 @@ METRIC_WEIGHTS: dict[str, str] = {
     "rho_mean": "num_tokens",
     "abs_log_ratio_mean": "num_tokens",
     "entropy_mean": "num_entropy_tokens",
+    "kl_mean": "num_kl_tokens",
 }
 
 
 METRIC_COUNTS: tuple[str, ...] = ("num_tokens", "num_kept_tokens", "num_neg_tokens",
                                    "num_neg_kept_tokens", "num_neg_responses",
-                                   "num_entropy_tokens")
+                                   "num_entropy_tokens", "num_kl_tokens",
+                                   "num_entropy_bonus_tokens")
 """The token and response counts of ``policy_loss``'s metrics, which the means are weighted by."""
+LOSS_PARTS: tuple[str, ...] = ("pg_loss", "kl_loss", "entropy_loss", "loss")
+"""The loss and its parts: each microbatch's is already divided by the minibatch's denominator,
+so they are summed, not averaged."""
 
 
 def metric_sums(parts: list[dict[str, torch.Tensor]],
                 device: torch.device | str = "cpu") -> torch.Tensor:
-    """float64 ``[len(METRIC_COUNTS) + len(METRIC_WEIGHTS) + 1]``: each count, each mean times its
-    weight, and the loss (when the parts carry one), summed over ``parts``. Sums of several ranks
+    """float64 ``[len(METRIC_COUNTS) + len(METRIC_WEIGHTS) + len(LOSS_PARTS)]``: each count, each
+    mean times its weight, and the loss and its parts (where the parts carry them), summed over
+    ``parts``. Sums of several ranks
     add up (an all-reduce SUM) to the sums of all their parts. Computed where the parts are
     (``device`` when there are none), without reading any value back to the host: on a GPU the
     learner reads the update's sums once, not ~15 values per microbatch."""
-    names = (*METRIC_COUNTS, *METRIC_WEIGHTS, "loss")
+    names = (*METRIC_COUNTS, *METRIC_WEIGHTS, *LOSS_PARTS)
     if parts:
         device = parts[0]["num_tokens"].device
     out = torch.zeros(len(names), dtype=torch.float64, device=device)
@@ -243,7 +378,7 @@ def metric_sums(parts: list[dict[str, torch.Tensor]],
         out = out + torch.stack([p[c].double() if c in p else zero for c in METRIC_COUNTS]
                                 + [p[n].double() * p[w].double() if n in p else zero
                                    for n, w in METRIC_WEIGHTS.items()]
-                                + [p["loss"].double() if "loss" in p else zero])
+                                + [p[n].double() if n in p else zero for n in LOSS_PARTS])
     return out
 
 
@@ -251,15 +386,25 @@ def metrics_from_sums(sums: torch.Tensor | list[float], abs_log_ratio_max: float
                       ) -> dict[str, float]:
     """The metrics of the union of the parts summed in ``sums`` (see ``metric_sums``; a tensor, or
     its values already read), and the summed loss: every microbatch's loss is already divided by
-    the minibatch's token count. A mean over nothing (its count is 0: no A < 0 token, no token
-    kept, no entropy computed) is left out, not given as 0."""
+    the minibatch's denominator. A mean over nothing (its count is 0: no A < 0 token, no token
+    kept, no entropy computed) is left out, not given as 0; so are the KL and entropy terms of a
+    loss without them. ``kl_share``: the KL term's share of the loss's magnitude, |kl| / (|pg| +
+    |kl| + |entropy|)."""
     sums = sums.tolist() if isinstance(sums, torch.Tensor) else list(sums)
     out = dict(zip(METRIC_COUNTS, sums))
     for j, (name, weight) in enumerate(METRIC_WEIGHTS.items()):
         den = out[weight]
         if den:
             out[name] = sums[len(METRIC_COUNTS) + j] / den
-    out["loss"] = sums[-1]
+    losses = dict(zip(LOSS_PARTS, sums[len(METRIC_COUNTS) + len(METRIC_WEIGHTS):]))
+    out["loss"], out["pg_loss"] = losses["loss"], losses["pg_loss"]
+    if out["num_kl_tokens"]:
+        out["kl_loss"] = losses["kl_loss"]
+    if out["num_entropy_bonus_tokens"]:
+        out["entropy_loss"] = losses["entropy_loss"]
+    if "kl_loss" in out:
+        size = abs(out["pg_loss"]) + abs(out["kl_loss"]) + abs(out.get("entropy_loss", 0.0))
+        out["kl_share"] = abs(out["kl_loss"]) / size if size else 0.0
     out["abs_log_ratio_max"] = abs_log_ratio_max
     return out
 

@@ -33,8 +33,11 @@ def make_batch(path: Path, *, vocab: int = 380, batch: int = 8, seq: int = 24, s
     behav = torch.where(resp, torch.rand(batch, seq, generator=g) * 12 - 8, torch.zeros(batch, seq))
     nan = behav.clone()
     nan[1, 7] = float("nan")
+    advantages = torch.randn(batch, generator=g)
+    # a reference policy's log-probs, near the behaviour's (KL terms to a reference)
+    ref = torch.where(resp, behav + torch.randn(batch, seq, generator=g), torch.zeros(batch, seq))
     save_file({"tokens": tokens, "response_mask": resp.to(torch.uint8), "behav_logp": behav,
-               "advantages": torch.randn(batch, generator=g), "nan_behav": nan}, str(path))
+               "advantages": advantages, "nan_behav": nan, "ref_logp": ref}, str(path))
     return path
 
 

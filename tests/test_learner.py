@@ -59,6 +59,13 @@ LAYOUTS = {
                                        "model.recompute=selective"]),
 }
 LAYOUTS = {name: (nproc, [*overrides, PAD]) for name, (nproc, overrides) in LAYOUTS.items()}
+# The GRPO family's terms through the learner: a per-response loss aggregation, a KL term to a
+# reference (the batch's ref_logp) and an entropy bonus with its gradient. Run at TP1 (against
+# transformers' autograd) and split every way an update can be (packed rows, DP ranks with the
+# distributed optimizer, TP with sequence parallel: the entropy's vocabulary-parallel backward).
+RECIPE = ["algo.loss_agg=seq-mean-token-mean", "algo.kl_coef=0.1", "algo.kl_estimator=k3",
+          "algo.entropy_coef=0.05"]
+RECIPE_LAYOUTS = {"packed", "dp2_distopt_packed", "tp2_sp"}
 FULL = {"llama", "qwen2"}  # every dense layout; the other families at TP2 and PP2
 TIMEOUT_MINUTES = 180.0  # parallel.timeout_minutes' default
 
@@ -122,6 +129,9 @@ def jobs_for(family: str) -> dict[str, tuple[int, list[str], bool]]:
     jobs.update({name: (*LAYOUTS[name], False) for name in layouts_for(family)})
     if family == "llama":
         jobs.update({f"{name}_offload": (*jobs[name][:2], True) for name in OFFLOADED})
+        jobs["tp1_recipe"] = (1, RECIPE, False)
+        jobs.update({f"{name}_recipe": (LAYOUTS[name][0], [*LAYOUTS[name][1], *RECIPE], False)
+                     for name in RECIPE_LAYOUTS})
     return jobs
 
 
@@ -143,8 +153,9 @@ def run(workdir, family, name):
     return load_run(out)
 
 
-def hf_reference(hf_dir, batch_path):
-    """Logits, log-probs, loss and gradients of the same batch through transformers."""
+def hf_reference(hf_dir, batch_path, **terms):
+    """Logits, log-probs, loss and gradients of the same batch through transformers; ``terms``
+    are policy_loss's (aggregation, KL, entropy), the entropy computed here with autograd."""
     from transformers import AutoModelForCausalLM
 
     b = load_file(str(batch_path))
@@ -152,13 +163,16 @@ def hf_reference(hf_dir, batch_path):
     tokens, resp = b["tokens"], b["response_mask"].bool()
     logits = model(tokens).logits.float()
     logp = torch.zeros(tokens.shape)
-    logp[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    log_softmax = torch.log_softmax(logits[:, :-1], -1)
+    logp[:, 1:] = log_softmax.gather(-1, tokens[:, 1:, None])[..., 0]
+    entropy = torch.zeros(tokens.shape)  # of the distribution each token was drawn from
+    entropy[:, 1:] = -(log_softmax.exp() * log_softmax).sum(-1)
     loss, _ = policy_loss(logp, b["behav_logp"], b["advantages"], resp, clip_low=0.2, clip_high=0.28,
-                          veto_threshold=1e-4)
+                          veto_threshold=1e-4, entropy=entropy, ref_logp=b["ref_logp"], **terms)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
-    return {"logits": logits.detach(), "logp": logp.detach(), "loss": float(loss), "grads": grads,
+    return {"logits": logits.detach(), "logp": logp.detach(), "loss": float(loss.detach()), "grads": grads,
             "grad_norm": norm}
 
 
@@ -211,10 +225,32 @@ def test_tp1_matches_transformers(workdir, family):
     assert resp.any()
 
 
+def test_tp1_recipe_matches_transformers(workdir):
+    """The loss aggregated per response, with a KL term to a reference and an entropy bonus,
+    through megatron (the vocabulary-parallel entropy's own backward) gives transformers'
+    autograd loss and gradients."""
+    got = run(workdir, "llama", "tp1_recipe")
+    ref = hf_reference(checkpoint(workdir, "llama"), workdir / "batch.safetensors",
+                       loss_agg="seq-mean-token-mean", kl_coef=0.1, kl_estimator="k3",
+                       entropy_coef=0.05)
+    first = got["steps"][0]
+    assert first["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+    assert first["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    m = first["metrics"]
+    assert m["kl_loss"] > 0 and m["entropy_loss"] < 0 and 0 < m["kl_share"] < 1
+    assert m["loss"] == pytest.approx(m["pg_loss"] + m["kl_loss"] + m["entropy_loss"], abs=1e-6)
+    clip = min(1.0, 1.0 / ref["grad_norm"])
+    for name, g in ref["grads"].items():
+        assert torch.allclose(got["grads"][name], g * clip, atol=2e-6, rtol=1e-4), name
+    plain = run(workdir, "llama", "tp1")  # the terms change the update
+    assert first["grad_norm"] != pytest.approx(plain["steps"][0]["grad_norm"], rel=1e-3)
+
+
 @pytest.mark.parametrize("family, layout", [(f, layout) for f in FAMILIES
-                                            for layout in layouts_for(f)])
+                                            for layout in layouts_for(f)]
+                         + [("llama", f"{layout}_recipe") for layout in sorted(RECIPE_LAYOUTS)])
 def test_layout_matches_tp1(workdir, family, layout):
-    ref = run(workdir, family, "tp1")
+    ref = run(workdir, family, "tp1_recipe" if layout.endswith("_recipe") else "tp1")
     got = run(workdir, family, layout)
     check_groups_and_gemms(got, 16)
     tensors, ref_tensors = got["tensors"], ref["tensors"]

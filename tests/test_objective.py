@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mugrpo_megatron.objective import (
+    LOSS_PARTS,
     METRIC_COUNTS,
     METRIC_WEIGHTS,
     VETO_SCOPES,
@@ -303,12 +304,14 @@ def test_metric_sums_are_the_numbers_read_one_by_one():
                               clip_low=1.0, clip_high=4.0, veto_threshold=1e-4,
                               num_tokens=int(resp.sum()))
         parts.append({**m, "loss": loss.detach()})
-    one_by_one = torch.zeros(len(METRIC_COUNTS) + len(METRIC_WEIGHTS) + 1, dtype=torch.float64)
+    one_by_one = torch.zeros(len(METRIC_COUNTS) + len(METRIC_WEIGHTS) + len(LOSS_PARTS),
+                             dtype=torch.float64)
     for p in parts:  # the old reads: a float() per value
         one_by_one += torch.tensor([float(p.get(c, 0.0)) for c in METRIC_COUNTS]
                                    + [float(p[n]) * float(p[w]) if n in p else 0.0
                                       for n, w in METRIC_WEIGHTS.items()]
-                                   + [float(p["loss"])], dtype=torch.float64)
+                                   + [float(p.get(n, 0.0)) for n in LOSS_PARTS],
+                                   dtype=torch.float64)
     assert torch.equal(metric_sums(parts), one_by_one)
     got = metrics_from_sums(metric_sums(parts).tolist(), 0.5)
     assert got == metrics_from_sums(one_by_one, 0.5)

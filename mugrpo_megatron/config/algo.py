@@ -1,4 +1,6 @@
-"""Mu-GRPO's schedule, clipping and veto."""
+"""Mu-GRPO's schedule, clipping and veto, and the GRPO family's knobs around them (loss
+aggregation, Dr.GRPO's advantages, KL, entropy, DAPO's overlong handling and refill). Each knob
+names its counterpart in verl, slime or NeMo-RL."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from mugrpo_megatron.config.section import Section
-from mugrpo_megatron.objective import VETO_SCOPES
+from mugrpo_megatron.objective import KL_ESTIMATORS, LOSS_AGGREGATIONS, VETO_SCOPES
 
 
 @dataclass(frozen=True)
@@ -59,15 +61,81 @@ class AlgoConfig(Section):
     threshold's bound applied to the whole prefix."""
     adv_eps: float = 1e-6
     """eps in A = (r - mean) / (std + eps)."""
-    uniform_groups: Literal["keep", "drop", "drop_once"] = "keep"
+    uniform_groups: Literal["keep", "drop", "drop_once", "refill"] = "keep"
     """Groups whose G responses all got the same reward (A = 0 on every token). 'keep': trained
     on like any sample, each once a pass; they add nothing to the gradient but count in the token
     mean, which shrinks the step by their share (GRPO in TRL and verl). 'drop': left out, and the
     mu updates of samples_per_update draw from the rest, so each remaining sample is trained on
     1 / (1 - uniform fraction) times as often: staler than the paper's. 'drop_once': left out,
     and each update takes the rest / mu (a multiple of DP x micro_batch_size): one pass, smaller
-    and noisier updates, nothing reused. Uniform groups are counted and logged either way, with
-    the passes each phase made."""
+    and noisier updates, nothing reused. 'refill' (DAPO's dynamic sampling; verl
+    algorithm.filter_groups, slime --over-sampling-batch-size with a dynamic-sampling filter):
+    left out, and the phase generates from further prompts until it holds as many informative
+    groups as prompts it was planned for, within max_refill_rounds (each engine replica refills
+    its own share as its scores come in: no barrier between replicas). Uniform groups are
+    counted and logged either way, with the passes each phase made."""
+    max_refill_rounds: int = 4
+    """With uniform_groups: refill, the most rounds of further prompts a replica generates in a
+    phase, each sized by its deficit of informative groups at the rate it saw; at most this many
+    times the phase's planned prompts are generated beyond them (verl's
+    filter_groups.max_num_gen_batches). A phase still short after them trains on what it has, as
+    'drop' would, and its record says so."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                      "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses make an update's loss (verl actor.loss_agg_mode, same names; NeMo-RL
+    loss_fn.token_level_loss is token-mean or seq-mean-token-mean; slime
+    --calculate-per-token-loss is token-mean): 'token-mean' (DAPO's) divides the sum by the
+    minibatch's response tokens; 'seq-mean-token-mean' (GRPO's paper) averages each response's
+    mean; 'seq-mean-token-sum' averages each response's sum; 'seq-mean-token-sum-norm'
+    (Dr.GRPO's) averages each response's sum divided by loss_agg_norm. Every count is the whole
+    minibatch's (one all-reduce of two integers over the data-parallel group, the one that
+    carried the token count before), so each mode is its one-big-batch value at any DP size,
+    microbatching and packing. KL and entropy terms are aggregated the same way."""
+    loss_agg_norm: float | None = None
+    """The constant of seq-mean-token-sum-norm (verl actor.loss_scale_factor); null: the longest
+    response, rollout.max_new_tokens (Dr.GRPO's choice)."""
+    norm_adv_by_std: bool = True
+    """Divide a response's advantage by its group's reward std (GRPO); false gives Dr.GRPO's
+    r - group mean (verl algorithm.norm_adv_by_std_in_grpo; slime
+    --disable-grpo-std-normalization inverts it; NeMo-RL grpo.normalize_rewards)."""
+    kl_coef: float = 0.0
+    """Weight of a KL penalty in the loss (verl actor.use_kl_loss with actor.kl_loss_coef; slime
+    --use-kl-loss --kl-loss-coef; NeMo-RL loss_fn.reference_policy_kl_penalty). 0: off, and then
+    no reference is kept and no pass computed. See kl_target."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The per-token KL estimate (verl actor.kl_loss_type: 'kl', 'mse', 'low_var_kl'; slime
+    --kl-loss-type): k1 = log(pi / pi_ref), k2 = (log(pi / pi_ref))^2 / 2, k3 = pi_ref / pi -
+    log(pi_ref / pi) - 1 with the log-ratio clamped to +-20 and the estimate to [-10, 10], as
+    verl and TRL clamp it (past a clamp a token's term passes no gradient)."""
+    kl_target: Literal["reference", "behaviour"] = "reference"
+    """What the KL is to. 'reference': the policy the run started from (model.path, or
+    checkpoint.load_from), as verl and slime: each rank keeps its shard of the reference weights
+    in pinned host memory (at the 70B config 4.4 GB a rank, 35 GB a node), and once a phase, after
+    generation, swaps them into the model's weights for one no-grad pass over the phase's tokens
+    (rollouts/phase_N/reference_logprobs.arrow; about a third of a training pass over them: the
+    dry run gives its seconds and memory); the learner's own weights wait in host memory,
+    offloaded for the generation anyway. 'behaviour': the phase's frozen behaviour policy, from
+    the log-probs already stored for every token (no weights, no pass): a soft trust region
+    against the drift within a Mu-GRPO phase, which no peer has."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus, subtracted from the loss with its gradient (verl
+    actor.entropy_coeff; slime --entropy-coef), through the vocabulary-parallel entropy the
+    learner computes anyway (its forward's two all-reduces over the TP group run for every
+    microbatch; its backward needs no collective). 0: entropy is only logged. Costs one fp32
+    copy of a microbatch's logits (the dry run's logits item)."""
+    overlong_filter: bool = False
+    """Responses cut at rollout.max_new_tokens leave the loss: no update draws them (NeMo-RL
+    grpo.overlong_filtering; DAPO's overlong filtering). Their group statistics stay as
+    generated, with every response's reward: the baseline of the others is the one they were
+    sampled against, and dropping the truncated ones from it would bias it toward short
+    responses. Counted in each phase record (overlong_filtered)."""
+    overlong_buffer_tokens: int = 0
+    """DAPO's soft overlong punishment (verl reward_model.overlong_buffer.len): a response longer
+    than rollout.max_new_tokens minus this many tokens has its reward lowered linearly, to
+    -overlong_penalty at the limit, before advantages (the phase log keeps the task reward
+    apart). 0: off."""
+    overlong_penalty: float = 1.0
+    """The punishment at the length limit (verl reward_model.overlong_buffer.penalty_factor)."""
     behaviour_logprobs: Literal["engine", "learner"] = "engine"
     """The behaviour policy's log-probs the ratios divide by. 'engine': the engine's, as it
     sampled (the paper's bypass; no extra pass). 'learner': the learner scores every response of
@@ -93,6 +161,14 @@ class AlgoConfig(Section):
         if self.veto_scope not in VETO_SCOPES:  # the Literal above, for direct construction too
             self._fail("veto_scope", f"must be one of {list(VETO_SCOPES)}")
         self._positive("veto_prefix_bound", "drift_window", "min_phase_updates")
+        self._non_negative("kl_coef", "entropy_coef", "overlong_buffer_tokens", "overlong_penalty",
+                           "max_refill_rounds")
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            self._fail("loss_agg", f"must be one of {list(LOSS_AGGREGATIONS)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            self._fail("kl_estimator", f"must be one of {list(KL_ESTIMATORS)}")
+        if self.loss_agg_norm is not None:
+            self._positive("loss_agg_norm")
         if self.max_drift is not None:
             self._positive("max_drift")
             if self.min_phase_updates > self.updates_per_phase:

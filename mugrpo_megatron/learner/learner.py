@@ -39,7 +39,7 @@ from mugrpo_megatron.layout import pack_capacity, round_up, token_multiple
 from mugrpo_megatron.learner.logits import policy_logits, vocab_parallel_entropy
 from mugrpo_megatron.learner.microbatch import (
     MicroBatch,
-    filler,
+    build_microbatches,
     next_aligned,
     per_sequence,
     right_padded,
@@ -54,15 +54,15 @@ from mugrpo_megatron.learner.model import (
     optimizer_config,
     uses_transformer_engine,
 )
-from mugrpo_megatron.learner.offload import HostOffload, OffloadStats
-from mugrpo_megatron.learner.packing import pack_row, plan_bins, sequence_lengths
+from mugrpo_megatron.learner.offload import HostOffload, OffloadStats, ReferenceWeights
 from mugrpo_megatron.models.hf_config import read_model_spec
 from mugrpo_megatron.objective import metric_sums, metrics_from_sums, policy_loss
 from mugrpo_megatron.types import TokenBatch, TrainBatch
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""(log-probs, behaviour log-probs, advantages, loss mask, num_tokens=) -> (loss, metrics): the
-objective a train step minimises (``objective.policy_loss`` with a run's clip and veto)."""
+"""(log-probs, behaviour log-probs, advantages, loss mask, num_tokens=, num_sequences=,
+entropy=, ref_logp=) -> (loss, metrics): the objective a train step minimises
+(``objective.policy_loss`` with a run's clip, veto, aggregation, KL and entropy terms)."""
 
 
 @dataclass
@@ -90,12 +90,17 @@ class Learner:
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig, *,
                  loss: LossFn, temperature: float, seed: int, total_updates: int,
-                 max_sequence_tokens: int, hf_dir: str | Path | None = None):
+                 max_sequence_tokens: int, hf_dir: str | Path | None = None,
+                 kl_target: str | None = None, entropy_grad: bool = False):
         """The learner of ``model`` (its weights from ``hf_dir``, default ``model.path``) in the
         ``parallel`` layout, trained by ``optim`` for ``total_updates`` updates on ``loss``
         (``objective.policy_loss`` with the run's clip and veto); ``temperature`` is the
         sampling temperature the engine's log-probs are taken at; ``max_sequence_tokens`` (the
-        longest prompt + response) sizes packed rows (``parallel.pack_tokens: auto``)."""
+        longest prompt + response) sizes packed rows (``parallel.pack_tokens: auto``).
+        ``kl_target`` ('reference', 'behaviour' or None: no KL term) says which log-probs the
+        loss's KL term is taken against: a batch's ``ref_logp`` or its behaviour log-probs;
+        ``entropy_grad``: the loss has an entropy bonus, so the entropy is computed with its
+        gradient."""
         self.model_cfg, self.parallel, self.optim = model, parallel, optim
         self.hf_dir = Path(hf_dir or model.path)
         self.spec = read_model_spec(self.hf_dir)
@@ -114,8 +119,12 @@ class Learner:
                                                     self.model)
         self.scheduler = lr_schedule(self.optimizer, optim, total_updates)
         self.loss = loss
+        self.kl_target = kl_target
+        self.entropy_grad = entropy_grad
         self.num_updates = 0
         self._host = HostOffload(self.model, self.optimizer)
+        self.reference: ReferenceWeights | None = None
+        """The reference policy's weights (``keep_reference``), for a KL term to it."""
         # The engine samples from softmax(logits / T) and reports those log-probs
         # (processed_logprobs), so the learner's policy is the same tempered distribution.
         self.temperature = temperature
@@ -142,11 +151,14 @@ class Learner:
         a = cfg.algo
         loss = partial(policy_loss, clip_low=a.clip_low, clip_high=a.clip_high,
                        veto_threshold=a.veto_threshold, veto_scope=a.veto_scope,
-                       veto_prefix_bound=a.veto_prefix_bound)
+                       veto_prefix_bound=a.veto_prefix_bound, loss_agg=a.loss_agg,
+                       loss_agg_norm=cfg.loss_agg_norm, kl_coef=a.kl_coef,
+                       kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
         return cls(cfg.model, cfg.parallel, cfg.optim, loss=loss,
                    temperature=cfg.rollout.temperature, seed=a.seed,
                    total_updates=a.total_updates, max_sequence_tokens=cfg.max_sequence_tokens,
-                   hf_dir=hf_dir)
+                   hf_dir=hf_dir, kl_target=a.kl_target if a.kl_coef else None,
+                   entropy_grad=a.entropy_coef > 0)
 
     # ------------------------------------------------------------------ batches
 
@@ -162,11 +174,13 @@ class Learner:
 
     def _dp_local_tokens(self, batch: TrainBatch, count: torch.Tensor
                          ) -> tuple[TrainBatch, torch.Tensor]:
-        """For this rank's share of a minibatch and its response-token ``count``: the whole
-        minibatch's count, summed over the data-parallel group, and the batch padded to the group's
-        longest where expert parallelism needs it (its token dispatch gathers equal-sized
-        activations from the ranks of the expert-parallel group, which span DP ranks; packed rows
-        are equal already). One or two integers cross the group: nothing at any scale."""
+        """For this rank's share of a minibatch and its ``count`` of response tokens and
+        responses: the whole minibatch's counts, summed over the data-parallel group (one
+        all-reduce of two integers, whatever ``algo.loss_agg`` needs of them), and the batch
+        padded to the group's longest where expert parallelism needs it (its token dispatch
+        gathers equal-sized activations from the ranks of the expert-parallel group, which span
+        DP ranks; packed rows are equal already). A few integers cross the group: nothing at any
+        scale."""
         if self.layout.dp_size == 1:
             return batch, count
         group = mpu.get_data_parallel_group()
@@ -190,48 +204,16 @@ class Learner:
     def _microbatches(self, batch: TokenBatch, train: bool, dp_local: bool = False,
                       capacity: int | None = None) -> list[MicroBatch]:
         """This rank's rows of ``batch`` (all of them with ``dp_local``) as microbatches, packed
-        into rows of ``capacity`` tokens (default ``pack_capacity``; 0: padded)."""
-        mbs = self.parallel.micro_batch_size
+        into rows of ``capacity`` tokens (default ``pack_capacity``; 0: padded), as many as
+        every other rank of its data-parallel group runs (``_equal_count``)."""
+        with_ref = train and self.kl_target == "reference"
+        if with_ref and batch.ref_logp is None:
+            raise ValueError("algo.kl_target: reference needs the batch's reference log-probs")
         mine = slice(0, batch.size) if dp_local else self.dp_rows(batch.size)
-        lo, per_rank = mine.start, mine.stop - mine.start
-        seq = batch.tokens.shape[1]
-        labels = next_aligned(batch.tokens)
-        loss_mask = next_aligned(batch.response_mask.bool())
-        behav = next_aligned(batch.behav_logp.float()) if train else None
-        capacity = self.pack_capacity if capacity is None else capacity
-        if capacity:
-            return self._packed_microbatches(batch, range(lo, lo + per_rank), labels, loss_mask,
-                                             behav, train, capacity)
-        out = []
-        for start in range(lo, lo + per_rank, mbs):
-            rows = slice(start, min(start + mbs, lo + per_rank))
-            n = rows.stop - rows.start
-            out.append(MicroBatch(
-                rows=rows, tokens=batch.tokens[rows], position_ids=torch.arange(seq).expand(n, seq),
-                labels=labels[rows], loss_mask=loss_mask[rows],
-                behav_logp=behav[rows] if behav is not None else None,
-                advantages=batch.advantages[rows].float() if train else None))
-        return out
-
-    def _packed_microbatches(self, batch: TokenBatch, rows: range, labels, loss_mask, behav,
-                             train: bool, capacity: int) -> list[MicroBatch]:
-        """This DP rank's rows packed into rows of ``capacity`` tokens, one per microbatch, as
-        many microbatches as every other rank of its data-parallel group runs (``_equal_count``)."""
-        rows = list(rows)
-        lengths = sequence_lengths(batch.response_mask[rows])
-        bins = plan_bins(lengths, capacity)
-        out = [filler(capacity, train) for _ in range(self._equal_count(len(bins)) - len(bins))]
-        for members in bins:
-            idx = torch.tensor([rows[i] for i in members])
-            lens = [lengths[i] for i in members]
-            width = max(lens)
-            out.append(MicroBatch(
-                rows=idx, packed=(p := pack_row(batch.tokens[idx], lens, capacity)),
-                tokens=p.tokens, position_ids=p.position_ids, labels=p.labels,
-                loss_mask=loss_mask[idx, :width] & p.valid,
-                behav_logp=behav[idx, :width] if behav is not None else None,
-                advantages=batch.advantages[idx].float() if train else None))
-        return out
+        return build_microbatches(
+            batch, mine, micro_batch_size=self.parallel.micro_batch_size,
+            capacity=self.pack_capacity if capacity is None else capacity, train=train,
+            with_ref=with_ref, equal_count=self._equal_count)
 
     def _equal_count(self, count: int) -> int:
         """The most microbatches any rank of this data-parallel group packed (``count`` here):
@@ -283,12 +265,14 @@ class Learner:
     # ------------------------------------------------------------------ log-probs
 
     def token_logprobs(self, logits_bsv: torch.Tensor, labels_bs: torch.Tensor,
-                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       with_entropy: bool = False, entropy_grad: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs ``[b, s]`` of this TP rank's output, and with ``with_entropy``
-        the policy's entropy at each position (``learner.logits``)."""
+        the policy's entropy at each position (``learner.logits``), with its gradient when
+        ``entropy_grad`` (an entropy bonus in the loss)."""
         logits = policy_logits(logits_bsv, self.temperature, self.spec.vocab_size,
                                self.layout.tp_rank)
-        entropy = vocab_parallel_entropy(logits) if with_entropy else None
+        entropy = vocab_parallel_entropy(logits, grad=entropy_grad) if with_entropy else None
         return -tensor_parallel.vocab_parallel_cross_entropy(logits, labels_bs), entropy
 
     @torch.no_grad()
@@ -361,11 +345,13 @@ class Learner:
         rank, or with ``dp_local`` only this data-parallel rank's rows of it (``dp_rows``), padded
         to their own longest. Both give the same update."""
         t0 = time.perf_counter()
-        # The global count of response tokens (next-aligned, before the veto): every microbatch's
-        # loss is divided by it, so the update does not depend on the layout or the split.
-        num_tokens = next_aligned(batch.response_mask.bool()).sum().to(distributed.device())
+        # The global counts of response tokens (next-aligned, before the veto) and of responses:
+        # every microbatch's loss is divided by what algo.loss_agg makes of them, so the update
+        # does not depend on the layout or the split.
+        mask = next_aligned(batch.response_mask.bool())
+        counts = torch.stack([mask.sum(), mask.any(dim=1).sum()]).to(distributed.device())
         if dp_local:
-            batch, num_tokens = self._dp_local_tokens(batch, num_tokens)
+            batch, counts = self._dp_local_tokens(batch, counts)
         batch = self._fit_sequence(batch)
         microbatches = self._microbatches(batch, train=True, dp_local=dp_local)
         # megatron divides each microbatch loss by their number and DDP averages over DP ranks;
@@ -374,10 +360,14 @@ class Learner:
 
         def loss_fn(mb: MicroBatch, output: torch.Tensor):
             device = output.device
-            logp, entropy = self.token_logprobs(output, mb.labels.to(device), with_entropy=True)
+            logp, entropy = self.token_logprobs(output, mb.labels.to(device), with_entropy=True,
+                                                entropy_grad=self.entropy_grad)
+            behav = mb.behav_logp.to(device)
+            ref = {"reference": mb.ref_logp, "behaviour": behav, None: None}[self.kl_target]
             loss, metrics = self.loss(
-                per_sequence(mb, logp), mb.behav_logp.to(device), mb.advantages.to(device),
-                mb.loss_mask.to(device), num_tokens=num_tokens, entropy=per_sequence(mb, entropy))
+                per_sequence(mb, logp), behav, mb.advantages.to(device), mb.loss_mask.to(device),
+                num_tokens=counts[0], num_sequences=counts[1], entropy=per_sequence(mb, entropy),
+                ref_logp=ref.to(device) if ref is not None else None)
             metrics["loss"] = loss.detach().float()
             return loss * scale, metrics
 
@@ -464,6 +454,21 @@ class Learner:
     def resident_bytes(self) -> int:
         """Bytes of weights, gradient buffers and optimizer state now on the learner's device."""
         return self._host.resident_bytes()
+
+    # ------------------------------------------------------------------ the reference
+
+    def keep_reference(self) -> None:
+        """Keep the weights as they are now as the reference policy (``algo.kl_target:
+        reference``): this rank's shards in host memory (``offload.ReferenceWeights``)."""
+        self.reference = ReferenceWeights(self._host)
+
+    def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """``logprobs`` of ``batch`` under the reference's weights (collective), the learner's
+        own weights back in place after, bit for bit."""
+        if self.reference is None:
+            raise RuntimeError("no reference policy was kept (keep_reference)")
+        with self.reference.swapped_in():
+            return self.logprobs(batch)[0]
 
     # ------------------------------------------------------------------ weights
 

@@ -33,6 +33,7 @@ of a power of two waste less than one chunk a rank.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -190,14 +191,7 @@ class HostOffload:
         """Pool pieces (chunk, offset, length, start in the storage) for storages of ``sizes``
         bytes, laid after those an earlier step of this offload moved."""
         earlier = [n for _, n, p in self._moved if p is not None]
-        out = []
-        for pieces in self.pool.place(earlier + sizes, pin=pin)[len(earlier):]:
-            start, with_start = 0, []
-            for index, offset, length in pieces:
-                with_start.append((index, offset, length, start))
-                start += length
-            out.append(with_start)
-        return out
+        return _with_starts(self.pool.place(earlier + sizes, pin=pin)[len(earlier):])
 
     def onload(self) -> OffloadStats:
         """Re-allocate every storage on the device and copy the host bytes back in."""
@@ -222,6 +216,18 @@ class HostOffload:
         return OffloadStats(copied, allocated, time.perf_counter() - t0)
 
 
+def _with_starts(placed: list[list[tuple[int, int, int]]]) -> list[list[tuple[int, int, int, int]]]:
+    """``HostPool.place``'s pieces of each storage with where each begins in the storage."""
+    out = []
+    for pieces in placed:
+        start, with_start = 0, []
+        for index, offset, length in pieces:
+            with_start.append((index, offset, length, start))
+            start += length
+        out.append(with_start)
+    return out
+
+
 def _torch_optimizers(optimizer) -> list:
     """The torch optimizers inside a megatron (chained) optimizer."""
     return [w.optimizer for w in inner_optimizers(optimizer)
@@ -231,3 +237,80 @@ def _torch_optimizers(optimizer) -> list:
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+class ReferenceWeights:
+    """The learner's weights as they were when this was made (the run's starting policy, for
+    ``algo.kl_target: reference``), kept in host memory, and swapped into the model for a pass.
+
+    A copy of every weight storage's bytes (``HostOffload``'s 'weights': the parameters and
+    DDP's parameter buffers, this rank's shards only) in a ``HostPool`` of its own: pinned on
+    CUDA, the learner's weight bytes a rank (4.4 GB at the 70B config: 35 GB a node). ``swapped_in``
+    puts them in place of the learner's for a forward pass and back after, bit for bit:
+
+    - the learner offloaded ('host': as it is after a phase's generation), its storages are
+      grown back, filled with the reference and freed again: the learner's own weights wait in
+      the offload's host copy, and the device holds one copy of the weights, as at a sync;
+    - the learner on the device, its weights are first copied into a second host pool (made at
+      the first such swap and kept; a resumed phase's pass takes this path), then back.
+
+    No optimizer state is touched: the pass is a forward pass only, between updates."""
+
+    def __init__(self, host: HostOffload, chunk: int = HOST_CHUNK):
+        if host.state != "device":
+            raise RuntimeError("the reference is taken from the learner's weights on the device")
+        self._host = host
+        self._storages = [(s, s.nbytes()) for s in host._storages()["weights"]]
+        cuda = any(s.device.type == "cuda" for s, _ in self._storages)
+        self.pool = HostPool(chunk)
+        self._pieces = self._placed(self.pool, cuda)
+        self._fill(self.pool, self._pieces, to_host=True)
+        self._stash: HostPool | None = None
+        self._stash_pieces: list = []
+        self._cuda = cuda
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the reference holds (its pool's chunks)."""
+        return self.pool.nbytes
+
+    def _placed(self, pool: HostPool, pin: bool) -> list[list[tuple[int, int, int, int]]]:
+        return _with_starts(pool.place([n for _, n in self._storages], pin=pin))
+
+    @staticmethod
+    def _copy(flat: torch.Tensor, pieces, to_host: bool, chunks: list[torch.Tensor]) -> None:
+        for index, offset, length, start in pieces:
+            host = chunks[index][offset:offset + length]
+            if to_host:
+                host.copy_(flat[start:start + length], non_blocking=True)
+            else:
+                flat[start:start + length].copy_(host, non_blocking=True)
+
+    def _fill(self, pool: HostPool, pieces_of, to_host: bool) -> None:
+        for (storage, _), pieces in zip(self._storages, pieces_of):
+            self._copy(_as_bytes(storage), pieces, to_host, chunks=pool.chunks)
+        _synchronize()
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """Context: the reference's weights in the model inside, the learner's own after."""
+        offloaded = self._host.state == "host"
+        if offloaded:
+            for storage, nbytes in self._storages:
+                storage.resize_(nbytes)
+        else:
+            if self._stash is None:
+                self._stash = HostPool(self.pool.chunk)
+                self._stash_pieces = self._placed(self._stash, self._cuda)
+            self._fill(self._stash, self._stash_pieces, to_host=True)
+        self._fill(self.pool, self._pieces, to_host=False)
+        try:
+            yield
+        finally:
+            if offloaded:
+                for storage, _ in self._storages:
+                    storage.resize_(0)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            else:
+                self._fill(self._stash, self._stash_pieces, to_host=False)

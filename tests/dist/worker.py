@@ -94,7 +94,7 @@ def dp_share(learner, batch: TrainBatch) -> TrainBatch:
         return out
 
     return TrainBatch(cut(batch.tokens), cut(batch.response_mask), cut(batch.behav_logp),
-                      batch.advantages[rows])
+                      batch.advantages[rows], cut(batch.ref_logp))
 
 
 GEMMS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -136,7 +136,8 @@ def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
     learner = Learner.from_config(cfg)
     gemm_inputs = record_gemm_inputs(learner)
     b = load_file(batch_path)
-    batch = TrainBatch(b["tokens"], b["response_mask"].bool(), b["behav_logp"], b["advantages"])
+    batch = TrainBatch(b["tokens"], b["response_mask"].bool(), b["behav_logp"], b["advantages"],
+                       b["ref_logp"])
     tensors = {}
     if torch.distributed.get_world_size() == 1:
         pos = torch.arange(batch.tokens.shape[1]).expand(batch.size, -1)
@@ -152,7 +153,7 @@ def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
     before = hf_state(learner)
     checksum = optimizer_checksum(learner)
     steps.append(learner.train_step(TrainBatch(batch.tokens, batch.response_mask, b["nan_behav"],
-                                               batch.advantages)))
+                                               batch.advantages, batch.ref_logp)))
     after = hf_state(learner)
     untouched = all(torch.equal(before[k], after[k]) for k in before) and \
         checksum == optimizer_checksum(learner)
