@@ -126,8 +126,9 @@ def new_path(rank: int, world: int, size: int, work: Path, args) -> dict:
 
     from mugrpo_megatron.config import RewardConfig
     from mugrpo_megatron.engines.fleet import share
+    from mugrpo_megatron.phase.data import PhaseData
     from mugrpo_megatron.phase.generation import ReplicaCounts, ShardWriter, pending_positions
-    from mugrpo_megatron.phase.store import PhaseData, finalize
+    from mugrpo_megatron.phase.store import Advantages, finalize
     from mugrpo_megatron.rewards import RewardScorer
 
     tok = AutoTokenizer.from_pretrained(work / "tok")
@@ -150,7 +151,7 @@ def new_path(rank: int, world: int, size: int, work: Path, args) -> dict:
     t_write = time.perf_counter() - t0
     t0 = time.perf_counter()
     if rank == 0:
-        finalize(directory, num_groups, G, 1e-6)
+        finalize(directory, num_groups, G, Advantages())
     dist.barrier()
     t_index = time.perf_counter() - t0
     data = PhaseData(directory, drop_uniform=True)

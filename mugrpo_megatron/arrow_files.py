@@ -93,14 +93,16 @@ def buffer_positions(path: Path) -> Iterator[tuple[pa.ipc.RecordBatchFileReader,
                                                    Callable[[pa.Buffer | None], int]]]:
     """The file's reader, through a map, and ``at(buffer)``: the file position where a buffer of
     it begins (its address less the mapping's first byte, the buffers being zero-copy views of
-    the map), 0 for an absent buffer. Only metadata pages are touched; the map is closed on
-    leaving, and nothing read through it may be used after."""
+    the map), 0 for an absent or empty buffer. Only metadata pages are touched; the map is
+    closed on leaving, and nothing read through it may be used after."""
     src = pa.memory_map(str(path))
     try:
         base = src.read_buffer(1).address  # the mapping's first byte (a zero-copy read)
 
         def at(buffer: pa.Buffer | None) -> int:
-            return buffer.address - base if buffer is not None else 0
+            # an empty buffer (a string column of '' only) may live outside the map: nothing
+            # is read from it
+            return buffer.address - base if buffer is not None and buffer.size else 0
 
         yield pa.ipc.open_file(src), at
     finally:

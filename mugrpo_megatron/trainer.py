@@ -11,9 +11,9 @@ the phase's files and reads only its data-parallel share of each update's rows
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,17 +22,20 @@ import torch.distributed as dist
 from mugrpo_megatron import distributed, run_dir
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.config.loader import to_dict
-from mugrpo_megatron.data import load_prompts
+from mugrpo_megatron.data import load_eval_sets
 from mugrpo_megatron.data.prompt_store import open_prompt_set
 from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.engines.fleet import EngineFailed, EngineFleet
-from mugrpo_megatron.evaluation import eval_sampling, score_eval
+from mugrpo_megatron.evaluation import reported_k, score_eval, set_sampling
+from mugrpo_megatron.handoff import Handoff
+from mugrpo_megatron.inputs import load_tokenizer, prepare_data
 from mugrpo_megatron.learner.checkpoint import load_learner, prune, save_learner, usable_checkpoint
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.metrics import MetricsLogger
 from mugrpo_megatron.outputs import DiskFull, RunFailed
 from mugrpo_megatron.phase import (
+    Advantages,
     DriftBound,
     GenerationFailed,
     Phase,
@@ -48,6 +51,7 @@ from mugrpo_megatron.phase import (
     phase_dir,
     record_plan,
     score_behaviour,
+    score_reference,
 )
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
@@ -61,37 +65,52 @@ class Trainer:
         directory for this start (``run_dir.check``, which returns ``start``)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.logging.run_dir)
-        self.learner = Learner.from_config(cfg)
         self.rank0 = dist.get_rank() == 0
-        # no rank looks into the run directory before it is this run's (a barrier)
-        on_rank0(run_dir.record_start, cfg, start, dist.get_world_size())
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(cfg)
         self.pad_id = self.tokenizer.pad_token_id or 0
-        self.log = MetricsLogger(cfg.logging, self.run_dir, self.rank0, to_dict(cfg))
         self.progress = Progress(enabled=self.rank0 and cfg.logging.progress)
-        # tokenized once, by rank 0, into the run directory; every rank reads prompts from it as
-        # a phase needs them (collective)
-        self.prompts = open_prompt_set(cfg, self.run_dir, self.tokenizer,
-                                       note=self.progress.note, bar=self.progress.bar)
+        # the data first, before megatron's groups, the model and the engines: the held-out
+        # sets on every rank; the training prompts tokenized once, by rank 0, into the run
+        # directory (``inputs.prepare_data`` did it before any process group), every rank
+        # reading them from there as a phase needs them (collective)
+        self.eval_sets = {name: prompts for name, (prompts, _) in
+                          load_eval_sets(cfg.data, self.tokenizer).items()}
+        self.prompts = open_prompt_set(
+            cfg, self.run_dir, self.tokenizer, note=self.progress.note, bar=self.progress.bar,
+            other_sources=sorted({p.source for ps in self.eval_sets.values() for p in ps}))
         report = self.prompts.report
-        self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer, held_out=True)
-        self.schedule = PhaseScheduler(cfg.algo, cfg.rollout.group_size, len(self.prompts))
+        # no rank looks into the run directory before it is this run's (a barrier)
+        on_rank0(run_dir.record_start, cfg, dist.get_world_size())
+        self.log = MetricsLogger(cfg.logging, self.run_dir, self.rank0, to_dict(cfg))
+        self.learner = Learner.from_config(cfg)
+        self.schedule = PhaseScheduler(cfg.algo, cfg.rollout.group_size, len(self.prompts),
+                                       file_sizes=self.prompts.file_sizes,
+                                       weights=cfg.data.weights)
         off = cfg.parallel.offload_learner
-        self.offload = off == "always" or (off == "auto" and torch.cuda.is_available())
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.handoff = Handoff(self.learner, off == "always" or (off == "auto" and
+                                                                 torch.cuda.is_available()),
+                               cfg.rollout.weight_bucket_mb << 20, self.log, self.rank0,
+                               self.ckpt_dir)
         if self.rank0:
-            self.progress.note(f"data: {report.summary()}; held out: {len(self.eval_prompts)}")
+            held = ", ".join(f"{n} {len(ps)}" for n, ps in self.eval_sets.items()) or "none"
+            self.progress.note(f"data: {report.summary()}; held out: {held}")
+        ckpt = None
+        if cfg.checkpoint.resume and start == "resume":  # rank 0 checks; every rank loads its pick
+            ckpt = on_rank0(usable_checkpoint, self.ckpt_dir, self._warn)
+        if cfg.checkpoint.load_from and (ckpt is None or self.keeps_reference):
+            load_learner(self.learner, Path(cfg.checkpoint.load_from))
+        if self.keeps_reference:  # the policy the run started from, before any resume
+            self.learner.keep_reference()
         # the engine sizes its memory from what is free when it starts: the learner steps aside
-        with self.learner_offloaded():
+        with self.handoff.learner_offloaded():
             # no weights read from disk: the first sync (before any generation) writes them all
-            self.engines = EngineFleet.start(
+            self.engines = self.handoff.engines = EngineFleet.start(
                 cfg.rollout, cfg.model.path, dtype=cfg.model.dtype,
-                max_model_len=cfg.max_sequence_tokens,
+                max_model_len=cfg.engine_max_len,
                 trust_remote_code=cfg.model.trust_remote_code, load_weights=False,
                 timeout_minutes=cfg.parallel.timeout_minutes)
-            self.mark_memory("start")
+            self.handoff.mark_memory("start")
             self.engines.sleep()  # awake only to generate (and take weights), not while training
         # NCCL's watchdog reports a timeout in its own words ("Timeout(ms)=..."): say which
         # setting that is (gloo's timeouts are named by the train command itself)
@@ -100,34 +119,32 @@ class Trainer:
         # a reward pool beside each replica's leader (global rank 0 leads replica 0 and also
         # scores the held-out set)
         self.scorer = RewardScorer(cfg.reward) if self.engines.is_leader else None
-        # the learner update whose weights the engine holds (None: the checkpoint it started from)
-        self._engine_has: int | None = None
         self._packing_checked = False
-        self.ckpt_dir = self.run_dir / "checkpoints"
         self.start_update = 0
         self.state = ScheduleState(ended=[], drift_window=[])
         """The phases that ended and the running phase's drift window (``save`` keeps it)."""
-        ckpt = None
-        if cfg.checkpoint.resume and start == "resume":  # rank 0 checks; every rank loads its pick
-            ckpt = on_rank0(usable_checkpoint, self.ckpt_dir, self._warn)
         if ckpt is not None:
             counters = load_learner(self.learner, ckpt)
             self.start_update = counters["update"]
             self.state = ScheduleState.from_counters(counters, cfg.algo)
             self.progress.note(f"resumed from {ckpt} at update {self.start_update}")
-        elif cfg.checkpoint.load_from:
-            load_learner(self.learner, Path(cfg.checkpoint.load_from))
+
+    @property
+    def keeps_reference(self) -> bool:
+        """Whether the run keeps a reference policy (a KL term to the one it started from)."""
+        a = self.cfg.algo
+        return bool(a.kl_coef) and a.kl_target == "reference"
 
     # ---------------------------------------------------------------- the loop
 
     def run(self) -> None:
         if self.start_update == 0:
-            self.sync_weights()
+            self.handoff.sync_weights()
             self.evaluate("before")
         # phases are planned one at a time: with algo.max_drift, each from how the last ended
         while (phase := self.schedule.plan(self.state.ended)) is not None:
             self.run_phase(phase)
-        self.sync_weights()
+        self.handoff.sync_weights()
         self.evaluate("after")
         if self.cfg.checkpoint.export_hf:
             out = self.run_dir / "hf"
@@ -141,12 +158,14 @@ class Trainer:
             self.progress.note(f"report: {path}")
 
     def run_phase(self, phase: Phase) -> None:
-        """Generate (unless on disk), score the behaviour policy (``behaviour_logprobs:
-        learner``), check, optimize until the phase ends; its record in the phase log."""
+        """Generate (unless on disk), score the reference policy (a KL term to it) and the
+        behaviour policy (``behaviour_logprobs: learner``), check, optimize until the phase
+        ends; its record in the phase log."""
         rec = PhaseRecord(phase.index, phase.first_update, phase.planned_updates,
                           uniform_policy=self.cfg.algo.uniform_groups)
         data = self.rollout(phase, rec)
         try:
+            self.reference(data, rec)  # a resumed phase's, when an earlier start had not
             if self.cfg.algo.behaviour_logprobs == "learner":
                 self.behaviour_from_learner(phase, data, rec)
             self.check(data, rec)
@@ -157,23 +176,46 @@ class Trainer:
 
     def rollout(self, phase: Phase, rec: PhaseRecord) -> PhaseData:
         """The phase's scored samples with advantages, opened from disk on every rank; generated
-        first unless an earlier start finished generating this phase."""
+        first unless an earlier start finished generating this phase, and then the reference
+        policy scores them while the learner is still offloaded."""
         directory = phase_dir(self.run_dir, phase.index)
-        if not on_rank0(self._plan_on_disk, directory, phase):
-            rec.sync_seconds = self.sync_weights()  # into the engine's weights, woken alone
-            with self.learner_offloaded(rec):
-                t0 = time.perf_counter()
-                self.engines.wake()  # the KV cache, now that the learner stepped aside
-                rec.switch_seconds += time.perf_counter() - t0
-                self.generate(phase, directory, rec)
-                self.mark_memory("generate", phase.index)
-                t0 = time.perf_counter()
-                self.engines.sleep()
-                rec.switch_seconds += time.perf_counter() - t0
-        layout = self.learner.layout
-        return PhaseData(directory, drop_uniform=self.cfg.algo.uniform_groups != "keep",
-                         pad_id=self.pad_id, dp_rank=layout.dp_rank, dp_size=layout.dp_size,
+        if on_rank0(self._plan_on_disk, directory, phase):
+            return self._open(directory)
+        rec.sync_seconds = self.handoff.sync_weights()  # into the engine's weights, woken alone
+        with self.handoff.learner_offloaded(rec):
+            t0 = time.perf_counter()
+            self.engines.wake()  # the KV cache, now that the learner stepped aside
+            rec.switch_seconds += time.perf_counter() - t0
+            self.generate(phase, directory, rec)
+            self.handoff.mark_memory("generate", phase.index)
+            t0 = time.perf_counter()
+            self.engines.sleep()
+            rec.switch_seconds += time.perf_counter() - t0
+            data = self._open(directory)
+            self.reference(data, rec)  # the device is free: the engine asleep, the learner out
+        return data
+
+    def _open(self, directory: Path) -> PhaseData:
+        layout, a = self.learner.layout, self.cfg.algo
+        return PhaseData(directory, drop_uniform=a.uniform_groups != "keep",
+                         overlong_filter=a.overlong_filter, pad_id=self.pad_id,
+                         dp_rank=layout.dp_rank, dp_size=layout.dp_size,
                          micro_batch_size=self.cfg.parallel.micro_batch_size)
+
+    def reference(self, data: PhaseData, rec: PhaseRecord) -> None:
+        """``algo.kl_target: reference``: the reference policy's log-probs of every response
+        token of the phase, once (a phase is fixed, so one pass a phase, not one an update):
+        its weights swapped into the learner's for a no-grad pass, rank 0 writing the log-probs
+        beside the shards, found there by a resume. Then the phase's batches carry them."""
+        if not self.keeps_reference:
+            return
+        if not on_rank0(data.has_reference_logprobs):
+            t0 = time.perf_counter()
+            rec.set_gap("reference_gap", score_reference(
+                self.learner, data, self.cfg.algo.samples_per_update, write=self.rank0))
+            rec.reference_seconds = time.perf_counter() - t0
+            self.handoff.mark_memory("reference", rec.phase)
+        data.use_reference_logprobs()
 
     @staticmethod
     def _plan_on_disk(directory: Path, phase: Phase) -> bool:
@@ -209,54 +251,6 @@ class Trainer:
             self._packing_checked = True
             rec.set_gap("pack_check_gap", check_packing(self.learner, data, self.cfg))
 
-    @contextmanager
-    def learner_offloaded(self, rec: PhaseRecord | None = None):
-        """The learner's weights and optimizer state in host memory while the engine works
-        (``parallel.offload_learner``); back on the device, bit for bit, afterwards."""
-        if not self.offload:
-            yield
-            return
-        out = self.learner.offload()
-        try:
-            yield
-        except BaseException:
-            if getattr(self, "engines", None) is not None:
-                self.engines.sleep()  # failing anyway: at least not both on the device at once
-            self.learner.onload()
-            raise
-        if self.engines.kv_cache_awake:
-            # weights, gradients and Adam state beside the KV cache: what the dry run does not
-            # budget for (an out-of-memory error hours into a run at 70B)
-            raise RuntimeError("the learner would return to the device while the engine's KV "
-                               "cache is awake: sleep the engine first")
-        back = self.learner.onload()
-        if rec is not None:
-            rec.switch_seconds += out.seconds + back.seconds
-            rec.offload_seconds, rec.onload_seconds = out.seconds, back.seconds
-            rec.offload_gib = out.bytes_freed / 2**30
-
-    def sync_weights(self) -> float:
-        """Stream the learner's weights into the engine (collective); returns the seconds taken,
-        0 when the engine already holds the learner's current weights."""
-        if self._engine_has == self.learner.num_updates:
-            return 0.0
-        t0 = time.perf_counter()
-        if self.offload and not self.learner.offloaded:
-            # a sync reads the weights alone: gradient buffers freed, optimizer state to the
-            # host, so that the engine's woken weights sit beside the learner's weights only
-            self.learner.offload(keep_weights=True)
-        self.engines.wake(weights_only=True)  # a sleeping engine has no weights to update
-        stream = iter_hf_tensors(self.learner.chunks(), self.learner.spec,
-                                 bucket_bytes=self.cfg.rollout.weight_bucket_mb << 20)
-        try:
-            self.engines.update_weights(stream)
-        except EngineFailed as e:
-            raise RunFailed(f"weight sync into the engine failed: {e}. Nothing of the learner "
-                            f"was lost; resume from {self.ckpt_dir} by running again.") from None
-        self.mark_memory("sync")
-        self._engine_has = self.learner.num_updates
-        return time.perf_counter() - t0
-
     def generate(self, phase: Phase, directory: Path, rec: PhaseRecord) -> None:
         """Every replica streams its share of the groups not yet on disk, its leader scores and
         writes shards as groups finish, and rank 0 indexes the phase (``generate_phase``)."""
@@ -264,7 +258,7 @@ class Trainer:
         try:
             counts = generate_phase(self.engines, directory, phase, self.cfg.rollout,
                                     self.prompts, self.scorer, self.tokenizer, self.progress,
-                                    self.cfg.algo.adv_eps)
+                                    Advantages.of(self.cfg))
         except GenerationFailed as e:
             raise RunFailed(f"phase {phase.index}: generation failed ({e}). Kept: every shard "
                             f"written in {directory}; resume by running again.") from None
@@ -309,7 +303,7 @@ class Trainer:
                 self.save(mb.update + 1, phase.index)
             t_eval += self.evaluate_every(mb.update + 1)
         bar.close()
-        self.mark_memory("optimize", phase.index)
+        self.handoff.mark_memory("optimize", phase.index)
         rec.optimize_seconds = time.perf_counter() - t_opt - t_eval  # the held-out curve is not
         rec.batch_read_seconds = t_data                              # training
         rec.eval_seconds = t_eval or None
@@ -328,28 +322,41 @@ class Trainer:
         does."""
         save_learner(self.learner, self.ckpt_dir / f"update_{update:07d}",
                      {"update": update, "phase": phase, "schedule": self.state.to_json()})
-        self.mark_memory("save", phase)
+        self.handoff.mark_memory("save", phase)
         if self.rank0:
             prune(self.ckpt_dir, self.cfg.checkpoint.keep_last)
         self.start_update = update
 
     def evaluate(self, label: str) -> None:
-        if not self.eval_prompts:
+        """Every held-out set (``data.eval_path``), each sampled as ``eval.*`` says, the
+        learner offloaded; rank 0 scores them and logs one 'eval' record: each set's pass@k and
+        mean@k (by source within a set that has several), the seconds it took, and the first
+        set's numbers under the keys of runs before named sets."""
+        if not self.eval_sets:
             return
-        r = self.cfg.rollout
-        with self.learner_offloaded():
+        t0 = time.perf_counter()
+        specs = {name: set_sampling(self.cfg, name) for name in self.eval_sets}
+        with self.handoff.learner_offloaded():
             self.engines.wake()
-            spec = eval_sampling(k=r.eval_samples, max_new_tokens=r.max_new_tokens,
-                                 temperature=r.temperature)
-            gens = self.engines.generate([p.token_ids for p in self.eval_prompts], spec)
-            self.mark_memory("evaluate")
+            gens = {name: self.engines.generate([p.token_ids for p in prompts], specs[name])
+                    for name, prompts in self.eval_sets.items()}
+            self.handoff.mark_memory("evaluate")
             self.engines.sleep()  # before the learner comes back to the device
         if not self.rank0:
             return
-        res = score_eval(gens, self.eval_prompts, self.scorer, self.tokenizer)
-        self.log.log("eval", self.learner.num_updates, {"label": label, **res.as_dict()})
-        self.progress.note(f"held-out ({label}): mean@{res.k} {res.mean_at_k:.3f}, "
-                           f"pass@{res.k} {res.pass_at_k:.3f} on {res.num_prompts} prompts")
+        results = {name: score_eval(gens[name], prompts, self.scorer, self.tokenizer,
+                                    reported_k(self.cfg, specs[name].n))
+                   for name, prompts in self.eval_sets.items()}
+        first = next(iter(results.values()))
+        self.log.log("eval", self.learner.num_updates, {
+            "label": label, "seconds": time.perf_counter() - t0,
+            "sets": {name: r.as_dict() for name, r in results.items()},
+            "eval_mean_at_k": first.mean_reward, "eval_pass_at_k": first.pass_at[max(first.pass_at)],
+            "eval_k": first.samples, "eval_prompts": first.num_prompts})
+        for name, r in results.items():
+            self.progress.note(f"held-out {name} ({label}): mean@{r.samples} {r.mean_reward:.3f}, "
+                               + ", ".join(f"pass@{k} {v:.3f}" for k, v in r.pass_at.items())
+                               + f" on {r.num_prompts} prompts")
 
     def evaluate_every(self, update: int) -> float:
         """The held-out curve (``logging.eval_every_updates``): after ``update`` when it is a
@@ -360,7 +367,7 @@ class Trainer:
         if not every or update % every or update >= self.cfg.algo.total_updates:
             return 0.0
         t0 = time.perf_counter()
-        self.sync_weights()
+        self.handoff.sync_weights()
         self.evaluate(f"update {update}")
         return time.perf_counter() - t0
 
@@ -372,23 +379,6 @@ class Trainer:
         self.log.close()
 
     # ---------------------------------------------------------------- helpers
-
-    def mark_memory(self, transition: str, phase: int | None = None) -> None:
-        """A 'memory' record (rank 0) at each transition of a phase (the ones the dry run
-        budgets: start, sync, generate, evaluate, optimize, save): where the learner's state
-        and the engine's memory are, and on a GPU the device memory in use and the allocator's
-        peak since the previous mark, so a run's real peaks can be read against the estimate."""
-        if not self.rank0:
-            return
-        values = {"transition": transition, "phase": phase, "engine": self.engines.memory
-                  if getattr(self, "engines", None) is not None else "starting",
-                  "learner_on_device": self.learner.on_device}
-        if torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info()
-            values.update(device_used_gib=(total - free) / 2**30,
-                          allocator_peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-            torch.cuda.reset_peak_memory_stats()
-        self.log.log("memory", self.learner.num_updates, values)
 
     def _warn(self, message: str) -> None:
         """Something the user must see whatever logging.progress says (rank 0): on stderr, and as
@@ -434,6 +424,12 @@ def train(cfg: Config, start: str) -> int:
     gave ``start``) are checked on every rank: the default group, the ranks' agreement on the
     run directory before any model, engine or data, then the run. Returns the exit status; a
     failure the user can act on is printed, not raised."""
+    if int(os.environ.get("RANK", "0")) == 0:  # before any process group (``inputs``)
+        try:
+            prepare_data(cfg, start)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
     distributed.init_default_group(cfg.parallel.timeout_minutes)
     start = run_dir.agree(cfg, start)
     trainer = None

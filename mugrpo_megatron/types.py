@@ -59,6 +59,12 @@ class Prompt:
     """The gold answer the reward checks against."""
     token_ids: tuple[int, ...]
     """The prompt after the chat template, as token ids."""
+    source: str = ""
+    """Where the prompt comes from: its row's ``data.source_field`` (verl's ``data_source``), or
+    the stem of its file; what ``reward.by_source`` routes on and metrics are split by."""
+    metadata: str = ""
+    """The row's ``data.metadata_fields`` as a JSON object ('' without any), for rewards that
+    read them."""
 
 
 @dataclass
@@ -75,10 +81,22 @@ class LoadReport:
     """Rows skipped (data.on_bad_row: skip), by reason."""
     examples: list[str] = field(default_factory=list)
     """The first few skipped rows, with their row number and reason."""
+    files: list[dict] = field(default_factory=list)
+    """For a mixture: each file's source, rows and kept prompts, in ``data.path`` order."""
 
     @property
     def num_skipped(self) -> int:
         return sum(self.skipped.values())
+
+    def add(self, other: LoadReport) -> None:
+        """Count ``other``'s file into this one (a mixture's report)."""
+        self.num_rows += other.num_rows
+        self.num_kept += other.num_kept
+        for why, n in other.skipped.items():
+            self.skipped[why] = self.skipped.get(why, 0) + n
+        self.examples += other.examples[:max(0, 5 - len(self.examples))]
+        self.files.append({"source": other.source, "num_rows": other.num_rows,
+                           "num_kept": other.num_kept})
 
     def summary(self) -> str:
         text = f"{self.source}: {self.num_kept}/{self.num_rows} rows kept"
@@ -112,3 +130,6 @@ class TrainBatch(TokenBatch):
     """[B, S] float: the behaviour policy's log-prob of each response token (0 elsewhere)."""
     advantages: torch.Tensor
     """[B] float: the response's group-normalised advantage."""
+    ref_logp: torch.Tensor | None = None
+    """[B, S] float: a reference policy's log-prob of each response token (0 elsewhere), for
+    ``algo.kl_target: reference``; None without a KL term to a reference."""

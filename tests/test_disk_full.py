@@ -17,7 +17,7 @@ from mugrpo_megatron import outputs
 from mugrpo_megatron.config import LoggingConfig
 from mugrpo_megatron.metrics import MetricsLogger
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
-from mugrpo_megatron.phase.store import ScoredGroup, finalize, write_shard
+from mugrpo_megatron.phase.store import Advantages, ScoredGroup, finalize, write_shard
 
 
 def mount_tmpfs(path: Path, size: str) -> None:
@@ -81,10 +81,10 @@ def test_metrics_shards_and_index_on_a_full_disk(small_fs):
     check_message(e.value, phase / "shard_000000001.arrow")
     assert sorted(p.name for p in phase.iterdir()) == ["shard_000000000.arrow"]  # no .tmp left
     with pytest.raises(outputs.DiskFull) as e:
-        finalize(phase, 1, 2, 1e-6)
+        finalize(phase, 1, 2, Advantages())
     check_message(e.value, phase / "index.arrow")
     filler.unlink()
-    finalize(phase, 1, 2, 1e-6)  # once there is room
+    finalize(phase, 1, 2, Advantages())  # once there is room
 
 
 def test_torch_save_on_a_full_disk_is_named(small_fs):

@@ -12,7 +12,7 @@ def test_placeholder_weights_are_never_sampled():
     generate until a weight sync has filled them."""
     fleet = EngineFleet(None, RolloutConfig())
     fleet.has_weights = False
-    with pytest.raises(RuntimeError, match="none have been streamed into them yet"):
+    with pytest.raises(RuntimeError, match="hold none of the learner's weights"):
         fleet.generate([[1, 2, 3]], SamplingSpec(n=1, max_new_tokens=4))
     with pytest.raises(RuntimeError, match="sync the learner's weights first"):
         fleet.check_has_weights()

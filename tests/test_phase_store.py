@@ -13,9 +13,10 @@ from helpers import Sample, to_batch
 from mugrpo_megatron.config import RewardConfig
 from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec
 from mugrpo_megatron.engines.fleet import share
+from mugrpo_megatron.phase.data import PhaseData
 from mugrpo_megatron.phase.generation import ReplicaCounts, ShardWriter
 from mugrpo_megatron.phase.store import (
-    PhaseData,
+    Advantages,
     ScoredGroup,
     finalize,
     is_generated,
@@ -71,7 +72,7 @@ def test_index_and_rows_equal_a_naive_reference(tmp_path):
     groups = make_groups()
     write_scrambled(tmp_path, groups)
     assert not is_generated(tmp_path) and persisted_groups(tmp_path, 30).all()
-    finalize(tmp_path, 30, G, 1e-6)
+    finalize(tmp_path, 30, G, Advantages())
     data = PhaseData(tmp_path, drop_uniform=True)
     samples = [Sample(0, g.prompt_index, g.position, tuple(g.prompt_ids), x.token_ids, x.logprobs,
                       x.finish_reason, reward=r) for g in groups
@@ -102,11 +103,11 @@ def test_finalize_names_missing_and_doubled_groups(tmp_path):
     write_shard(tmp_path, groups[:4])
     write_shard(tmp_path, groups[5:])
     with pytest.raises(ValueError, match=r"4 of 40 responses are missing \(first: group 4\)"):
-        finalize(tmp_path, 10, G, 1e-6)
+        finalize(tmp_path, 10, G, Advantages())
     write_shard(tmp_path / "x", groups[3:5])
     (tmp_path / "x" / "shard_000000003.arrow").rename(tmp_path / "shard_000000004.arrow")
     with pytest.raises(ValueError, match="shard_000000004.arrow: holds responses .* another shard"):
-        finalize(tmp_path, 10, G, 1e-6)
+        finalize(tmp_path, 10, G, Advantages())
     with pytest.raises(FileExistsError, match="group 0 was persisted already"):
         write_shard(tmp_path, groups[:1])
 
@@ -124,7 +125,7 @@ def test_resume_with_another_replica_count_regenerates_only_what_is_missing(tmp_
     one = left[share(len(left), 0, 1)]  # resumed with one replica
     assert one.tolist() == left.tolist()
     write_shard(tmp_path, [groups[i] for i in one])
-    finalize(tmp_path, 23, G, 1e-6)
+    finalize(tmp_path, 23, G, Advantages())
     assert PhaseData(tmp_path, drop_uniform=False).reward.tolist() == \
         [r for g in groups for r in g.rewards]
 
@@ -145,7 +146,7 @@ def test_writer_scores_beside_generation(tmp_path):
             writer.add(pos, [Generation(ids, (-0.1,) * len(ids), "stop")] * G)
         writer.close()
     assert counts.groups == 3 and counts.shards == 2 and counts.responses == 3 * G
-    finalize(tmp_path / "p", 3, G, 1e-6)
+    finalize(tmp_path / "p", 3, G, Advantages())
     data = PhaseData(tmp_path / "p", drop_uniform=False)
     expected = {0: 1.0, 1: 0.0, 2: 1.0}  # prompt row -> reward of its text against its answer
     assert data.reward.tolist() == [expected[(2, 0, 1)[pos]] for pos in range(3) for _ in range(G)]

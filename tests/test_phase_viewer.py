@@ -9,7 +9,8 @@ import pytest
 from mugrpo_megatron.__main__ import main
 from mugrpo_megatron.engines.base import Generation
 from mugrpo_megatron.models.tiny import make_tokenizer
-from mugrpo_megatron.phase.store import PhaseData, ScoredGroup, finalize, phase_dir, write_shard
+from mugrpo_megatron.phase.data import PhaseData
+from mugrpo_megatron.phase.store import Advantages, ScoredGroup, finalize, phase_dir, write_shard
 from mugrpo_megatron.phase.viewer import phase_files, show, summarize
 
 
@@ -45,7 +46,7 @@ def test_summary_equals_a_naive_count(tmp_path):
     assert s.finish == {k: sum(f == k for _, _, f, _ in rows) for k in ("stop", "length")}
     naive_uniform = sum(len(set(g.rewards)) == 1 for g in gs)
     assert f"uniform groups {naive_uniform} " in s.text(0)
-    finalize(d, 40, 4, 1e-6)
+    finalize(d, 40, 4, Advantages())
     files, complete = phase_files(tmp_path, 0)
     assert complete
     s = summarize(files, complete)
@@ -63,7 +64,7 @@ def test_show_decodes_the_samples_it_picks(tmp_path):
     d = phase_dir(tmp_path, 0)
     write_shard(d, gs[2:])
     write_shard(d, gs[:2])
-    finalize(d, 4, 2, 1e-6)
+    finalize(d, 4, 2, Advantages())
     text = show(tmp_path, 0, 2, tok)
     assert text.count("[response] The answer is \\boxed{19}.") == 2
     assert text.count("[prompt] What is 12 + 7?") == 2

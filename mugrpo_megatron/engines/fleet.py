@@ -106,7 +106,13 @@ class EngineFleet:
         self.is_leader = self.placement.leads(rank)
         """Whether this rank scores and persists its replica's answers."""
         self.has_weights = True
-        """False while the engines hold placeholder weights (started without loading them)."""
+        """False while the engines hold no weights of the learner's: placeholders (started
+        without loading them), or none after a sleep that discards them
+        (``RolloutEngine.sleep_discards_weights``), until the next ``update_weights``."""
+        self.sleep_discards_weights = distributed.from_rank0(
+            engine.sleep_discards_weights if engine is not None else False)
+        """Whether the engines' sleep drops their weights: rank 0's engine's (every placement
+        puts one there), the same on every rank, since every rank must then sync."""
         self.memory = "awake"
         """What the engines hold in accelerator memory: 'awake' (weights and KV cache), 'weights'
         (woken for a sync only) or 'asleep' (neither), as sleep() and wake() left them; kept on
@@ -210,14 +216,18 @@ class EngineFleet:
         return stats
 
     def check_has_weights(self) -> None:
-        """Refuse to sample from placeholder weights (an engine started without loading them)."""
+        """Refuse to sample from weights the engines do not hold: placeholders (started without
+        loading them), or none since a sleep that dropped them."""
         if not self.has_weights:
-            raise RuntimeError("the engines started without the model's weights and none have been "
-                               "streamed into them yet: sync the learner's weights first")
+            raise RuntimeError("the engines hold none of the learner's weights (they started "
+                               "without them, or a sleep dropped them): sync the learner's "
+                               "weights first")
 
     def sleep(self) -> None:
         if self.engine is not None:
             self.engine.sleep()
+        if self.sleep_discards_weights and self.memory != "asleep":
+            self.has_weights = False  # nothing to sample from until the next sync
         self.memory = "asleep"
 
     def wake(self, weights_only: bool = False) -> None:

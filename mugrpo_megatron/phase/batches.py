@@ -17,23 +17,28 @@ from mugrpo_megatron.types import TrainBatch
 
 
 def padded_batch(rows: Sequence[tuple[Sequence[int], Sequence[int], Sequence[float]]],
-                 advantages: Sequence[float], pad_id: int = 0, multiple_of: int = 1) -> TrainBatch:
+                 advantages: Sequence[float], pad_id: int = 0, multiple_of: int = 1,
+                 ref_logprobs: Sequence[Sequence[float]] | None = None) -> TrainBatch:
     """Right-padded prompt+response rows from (prompt ids, response ids, behaviour log-probs)
-    (tuples or numpy views of a mapped shard); the length is rounded up to ``multiple_of``.
-    Memory and time: the batch."""
+    (tuples or numpy views of a mapped shard), with each response's reference log-probs when
+    given; the length is rounded up to ``multiple_of``. Memory and time: the batch."""
     lengths = [len(p) + len(r) for p, r, _ in rows]
     seq = round_up(max(lengths), multiple_of)
     tokens = np.full((len(rows), seq), pad_id, dtype=np.int64)
     mask = np.zeros((len(rows), seq), dtype=bool)
     behav = np.zeros((len(rows), seq), dtype=np.float32)
+    ref = np.zeros((len(rows), seq), dtype=np.float32) if ref_logprobs is not None else None
     for k, (p, r, lp) in enumerate(rows):
         a, b = len(p), len(p) + len(r)
         tokens[k, :a] = p
         tokens[k, a:b] = r
         behav[k, a:b] = lp
         mask[k, a:b] = True
+        if ref is not None:
+            ref[k, a:b] = ref_logprobs[k]
     return TrainBatch(torch.from_numpy(tokens), torch.from_numpy(mask), torch.from_numpy(behav),
-                      torch.as_tensor(np.asarray(advantages, dtype=np.float32)))
+                      torch.as_tensor(np.asarray(advantages, dtype=np.float32)),
+                      torch.from_numpy(ref) if ref is not None else None)
 
 
 @dataclass(frozen=True)

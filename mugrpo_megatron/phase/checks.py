@@ -1,6 +1,7 @@
 """What the learner scores of a generated phase besides training on it: the train/inference
 log-prob gap (every phase), the packed path against the padded one (once a run), and, with
-``algo.behaviour_logprobs: learner``, the behaviour log-probs of every response.
+``algo.behaviour_logprobs: learner``, the behaviour log-probs of every response, with
+``algo.kl_target: reference`` the reference policy's.
 
 All collective: every rank calls them with the same phase, and ``Learner.logprobs`` splits the
 rows over the data-parallel ranks and returns them whole on every rank.
@@ -17,7 +18,12 @@ from mugrpo_megatron.config import Config
 from mugrpo_megatron.layout import round_up
 from mugrpo_megatron.outputs import RunFailed
 from mugrpo_megatron.phase.batches import LogprobGap, logprob_gap
-from mugrpo_megatron.phase.store import LearnerLogprobWriter, PhaseData
+from mugrpo_megatron.phase.data import (
+    BEHAVIOUR_FILE,
+    REFERENCE_FILE,
+    LearnerLogprobWriter,
+    PhaseData,
+)
 
 PACKING_CHECK_ROWS = 8
 """Rows of a phase scored both packed and padded at a run's first mismatch check."""
@@ -86,23 +92,41 @@ def check_packing(learner, data: PhaseData, cfg: Config) -> LogprobGap:
 
 
 def score_behaviour(learner, data: PhaseData, chunk: int, write: bool) -> LogprobGap:
-    """The learner's log-prob of every response token of the phase, ``chunk`` rows at a time,
-    written beside the shards by the rank with ``write`` (``phase.store.LearnerLogprobWriter``).
-    Returns the gap to the engine's log-probs over every response token (the same on every
-    rank). Every rank reads every row of a chunk (``logprobs`` splits it over
-    the data-parallel ranks): the phase's shards DP times in all, once a phase."""
-    n, dp = data.num_samples, learner.layout.dp_size
+    """The learner's log-prob of every response token of the phase (``BEHAVIOUR_FILE``), with its
+    weights as they are (the ones the engine sampled from, before the phase's first update):
+    ``score_phase``."""
+    return score_phase(lambda batch: learner.logprobs(batch)[0], learner.layout.dp_size, data,
+                       chunk, write, BEHAVIOUR_FILE, "the learner's behaviour log-probs")
+
+
+def score_reference(learner, data: PhaseData, chunk: int, write: bool) -> LogprobGap:
+    """The reference policy's log-prob of every response token of the phase (``REFERENCE_FILE``),
+    its weights swapped into the learner's for the pass (``Learner.reference_logprobs``):
+    ``score_phase``. The gap returned is the reference's to the engine's behaviour log-probs."""
+    return score_phase(learner.reference_logprobs, learner.layout.dp_size, data, chunk, write,
+                       REFERENCE_FILE, "the reference policy's log-probs")
+
+
+def score_phase(score, dp: int, data: PhaseData, chunk: int, write: bool, name: str,
+                what: str) -> LogprobGap:
+    """``score(batch)``'s log-prob of every response token of the phase, ``chunk`` rows at a
+    time, written beside the shards as ``name`` by the rank with ``write``
+    (``phase.data.LearnerLogprobWriter``). Returns the gap to the engine's log-probs over every
+    response token (the same on every rank). Every rank reads every row of a chunk
+    (``Learner.logprobs`` splits it over the ``dp`` data-parallel ranks): the phase's shards DP
+    times in all, once a phase."""
+    n = data.num_samples
     chunk = max(dp, chunk // dp * dp)
-    writer = LearnerLogprobWriter(data.directory, n) if write else None
+    writer = LearnerLogprobWriter(data.directory, n, name) if write else None
     gap = LogprobGap()
-    explain = (f"writing the learner's behaviour log-probs into {data.directory} failed ({{}}). "
-               f"Kept: the phase's shards and index; resume by running again.").format
+    explain = (f"writing {what} into {data.directory} failed ({{}}). Kept: the phase's shards "
+               f"and index; resume by running again.").format
     with distributed.agreed(RunFailed, explain) as failure:
         for lo in range(0, n, chunk):
             rows = np.arange(lo, min(lo + chunk, n))
             padded = np.concatenate([rows, np.full(-len(rows) % dp, rows[-1])])  # DP splits it
             batch = data.batch(padded, engine_logprobs=True)
-            logp, _ = learner.logprobs(batch)
+            logp = score(batch)
             gap = gap + logprob_gap(logp, batch, rows=len(rows))
             mask = batch.response_mask
             if writer is not None and not failure.error:

@@ -44,8 +44,14 @@ from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.engines.fleet import EngineFleet, share
 from mugrpo_megatron.phase.record import PhaseRecord
 from mugrpo_megatron.phase.schedule import Phase
-from mugrpo_megatron.phase.store import ScoredGroup, finalize, persisted_groups, write_shard
-from mugrpo_megatron.rewards import PendingScores, RewardScorer
+from mugrpo_megatron.phase.store import (
+    Advantages,
+    ScoredGroup,
+    finalize,
+    persisted_groups,
+    write_shard,
+)
+from mugrpo_megatron.rewards import PendingScores, RewardScorer, RowInfo
 from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
 
 _MAX_PENDING_SHARDS = 4
@@ -109,7 +115,7 @@ class GenerationFailed(RuntimeError):
 
 def generate_phase(fleet: EngineFleet, directory: Path, phase: Phase, r: RolloutConfig,
                    prompts: PromptSet, scorer: RewardScorer | None, tokenizer, progress,
-                   adv_eps: float) -> ReplicaCounts:
+                   advantages: Advantages) -> ReplicaCounts:
     """The protocol of this module's docstring, on every rank, collective at its two ends: this
     rank's replica streams its share of the groups not yet on disk (``fleet.stream``: the
     prompts read from ``prompts`` as they enter the engine), its leader scores and writes shards
@@ -137,7 +143,7 @@ def generate_phase(fleet: EngineFleet, directory: Path, phase: Phase, r: Rollout
             writer.close()
     bar.close()
     total = sum_counts(counts)
-    on_rank0(finalize, directory, len(phase.prompt_indices), r.group_size, adv_eps)
+    on_rank0(finalize, directory, len(phase.prompt_indices), r.group_size, advantages)
     return total
 
 
@@ -154,7 +160,7 @@ class ShardWriter:
         self.prompt_indices = prompt_indices
         self.shard_prompts = shard_prompts
         self.counts = counts
-        self._open: list[tuple[ScoredGroup, list[str]]] = []
+        self._open: list[tuple[ScoredGroup, list[str], Prompt]] = []
         self._scoring: deque[tuple[list[ScoredGroup], PendingScores]] = deque()
 
     def add(self, position: int, gens: list[Generation]) -> None:
@@ -163,8 +169,8 @@ class ShardWriter:
         prompt = self.prompts[self.prompt_indices[position]]
         texts = self.tokenizer.batch_decode([list(g.token_ids) for g in gens],
                                             skip_special_tokens=True)
-        self._open.append((ScoredGroup.of(position, prompt.index, prompt.token_ids, gens, []),
-                           texts))
+        self._open.append((ScoredGroup.of(position, prompt.index, prompt.token_ids, gens, [],
+                                          prompt.source), texts, prompt))
         self.counts.responses += len(gens)
         self.counts.tokens += sum(len(g.token_ids) for g in gens)
         if len(self._open) >= self.shard_prompts:
@@ -180,10 +186,12 @@ class ShardWriter:
 
     def _submit(self) -> None:
         groups, self._open = self._open, []
-        texts = [t for _, ts in groups for t in ts]
-        answers = [self.prompts[self.prompt_indices[g.position]].answer
-                   for g, ts in groups for _ in ts]
-        self._scoring.append(([g for g, _ in groups], self.scorer.submit(texts, answers)))
+        texts = [t for _, ts, _ in groups for t in ts]
+        answers = [p.answer for _, ts, p in groups for _ in ts]
+        rows = [row for _, ts, p in groups
+                for row in [RowInfo(p.source, p.text, p.metadata)] * len(ts)]
+        self._scoring.append(([g for g, _, _ in groups],
+                              self.scorer.submit(texts, answers, rows)))
 
     def _write_scored(self, wait: bool) -> None:
         while self._scoring and (wait or self._scoring[0][1].done()):

@@ -52,6 +52,12 @@ class PhaseRecord:
     behaviour_seconds: float | None = None
     behaviour_gap_mean: float | None = None
     behaviour_gap_max: float | None = None
+    reference_seconds: float | None = None
+    """The reference policy's pass over the phase's tokens (``algo.kl_target: reference``)."""
+    reference_gap_mean: float | None = None
+    """|reference log-prob - behaviour log-prob| over the phase's tokens: how far the phase's
+    behaviour policy is from the one the run started from."""
+    reference_gap_max: float | None = None
     # optimization
     optimize_seconds: float = 0.0
     """The updates, without the held-out evaluations inside the phase."""

@@ -24,9 +24,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from mugrpo_megatron.config import AlgoConfig, Config
+from mugrpo_megatron.config.run import MIXTURE_BLOCK
 
 PLANNED_FROM = 2
 """A phase after the first generates for the longest of this many phases before it."""
@@ -128,9 +130,21 @@ class PhaseScheduler:
     Built from the config, which has checked every schedule setting (``AlgoConfig``, ``Config``);
     only the data set's size is new here."""
 
-    def __init__(self, algo: AlgoConfig, group_size: int, num_prompts: int):
+    def __init__(self, algo: AlgoConfig, group_size: int, num_prompts: int,
+                 file_sizes: Sequence[int] = (), weights: Sequence[float] | None = None):
+        """``file_sizes``: the kept prompts of each file of a mixture, in order (their sum is
+        ``num_prompts``), drawn from by ``weights`` (``data.weights``; None: as one set)."""
         if num_prompts < 1:
             raise ValueError("the prompt dataset is empty")
+        self.mixture = None
+        if weights is not None and len(file_sizes) > 1:
+            if sum(file_sizes) != num_prompts or len(weights) != len(file_sizes):
+                raise ValueError(f"a mixture of {len(file_sizes)} files of {list(file_sizes)} "
+                                 f"prompts, {num_prompts} in all, and {len(weights)} weights")
+            if not all(file_sizes):
+                raise ValueError(f"data.path: file {list(file_sizes).index(0)} of the mixture "
+                                 f"has no usable prompt")
+            self.mixture = Mixture(file_sizes, weights, algo.seed)
         self.algo = algo
         self.num_phases = algo.num_phases
         self.updates_per_phase = algo.updates_per_phase
@@ -179,7 +193,9 @@ class PhaseScheduler:
     def _prompts(self, start: int, num: int) -> tuple[int, ...]:
         """Dataset rows at positions [start, start + num) of the run's prompt stream: a seeded
         order, reshuffled at each pass over the dataset, so consecutive phases see fresh prompts
-        until the dataset is used up."""
+        until the dataset is used up (a weighted mixture: ``Mixture``)."""
+        if self.mixture is not None:
+            return self.mixture.prompts(start, num)
         prompts: list[int] = []
         perms: dict[int, torch.Tensor] = {}
         for pos in range(start, start + num):
@@ -227,6 +243,77 @@ class PhaseScheduler:
         mixed = (self.seed * 0x9E3779B1 + stream * 0x85EBCA6B + epoch * 0xC2B2AE35) % (1 << 63)
         g = torch.Generator().manual_seed(mixed)
         return torch.randperm(n, generator=g)
+
+
+class Mixture:
+    """The prompt stream of a mixture with ``data.weights``: position p of the run's stream is
+    a prompt of one file, the files' shares of every block of ``MIXTURE_BLOCK`` positions
+    exactly their weights' to within one prompt at the block's end (each block's counts by the
+    largest remainder of what each file is owed so far), the files' turns in a block in seeded
+    random order, and each file's own prompts in a seeded order reshuffled at every pass over
+    it. Deterministic in the seed, the sizes and the weights: a resume draws the same prompts in
+    the same order. Costs per call a few numbers a block up to the last position asked for
+    (kept), and a permutation of each file per pass over it (int64: 8 MB at 10^6 prompts)."""
+
+    def __init__(self, sizes: Sequence[int], weights: Sequence[float], seed: int):
+        self.sizes = list(sizes)
+        self.offsets = [sum(self.sizes[:f]) for f in range(len(self.sizes))]
+        total = sum(weights)
+        self.shares = [w / total for w in weights]
+        self.seed = seed
+        self._drawn: list[list[int]] = [[0] * len(self.sizes)]
+        """Draws of each file before each block (``_drawn[b]``), computed up to the last block
+        asked for."""
+        self._perms: dict[tuple[int, int], torch.Tensor] = {}
+        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _counts(self, b: int) -> list[int]:
+        """Each file's draws in block ``b``: what it is owed by the block's end (its share of
+        (b + 1) x MIXTURE_BLOCK) less what it drew before, floored, and the rest of the block to
+        the largest remainders (ties to the first file)."""
+        while len(self._drawn) <= b + 1:
+            k = len(self._drawn) - 1
+            owed = [(k + 1) * MIXTURE_BLOCK * q - d for q, d in zip(self.shares, self._drawn[k])]
+            counts = [math.floor(x) for x in owed]
+            for f in sorted(range(len(owed)), key=lambda f: (counts[f] - owed[f], f))[
+                    :MIXTURE_BLOCK - sum(counts)]:
+                counts[f] += 1
+            self._drawn.append([d + c for d, c in zip(self._drawn[k], counts)])
+        return [a - d for a, d in zip(self._drawn[b + 1], self._drawn[b])]
+
+    def _perm(self, key: tuple[int, int], n: int) -> torch.Tensor:
+        if key not in self._perms:
+            stream, epoch = key
+            mixed = (self.seed * 0x9E3779B1 + stream * 0x85EBCA6B + epoch * 0xC2B2AE35) % (1 << 63)
+            self._perms[key] = torch.randperm(n, generator=torch.Generator().manual_seed(mixed))
+        return self._perms[key]
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Block ``b``'s file at each slot (its turns in seeded order) and that draw's number
+        among the file's draws over the run."""
+        if b not in self._blocks:
+            counts = self._counts(b)
+            order = np.repeat(np.arange(len(counts)), counts)[
+                self._perm((-1 - b, 0), MIXTURE_BLOCK).numpy()]
+            draw = np.empty(MIXTURE_BLOCK, dtype=np.int64)
+            for f in range(len(counts)):
+                slots = np.flatnonzero(order == f)
+                draw[slots] = self._drawn[b][f] + np.arange(len(slots))
+            if len(self._blocks) >= 4:  # a phase's positions are consecutive: keep a few
+                self._blocks.pop(next(iter(self._blocks)))
+            self._blocks[b] = (order, draw)
+        return self._blocks[b]
+
+    def prompts(self, start: int, num: int) -> tuple[int, ...]:
+        """The kept-prompt indices at positions [start, start + num) of the stream."""
+        out: list[int] = []
+        for pos in range(start, start + num):
+            b, slot = divmod(pos, MIXTURE_BLOCK)
+            order, draw = self._block(b)
+            f = int(order[slot])
+            epoch, i = divmod(int(draw[slot]), self.sizes[f])
+            out.append(self.offsets[f] + int(self._perm((1000 + f, epoch), self.sizes[f])[i]))
+        return tuple(out)
 
 
 @dataclass

@@ -9,8 +9,11 @@
                                 sized for), written before it generates, checked on resume
         index.arrow             written once, when every group of the phase is on disk: each
                                 response in phase order (group, then sample), the shard and row
-                                it lives in, reward, advantage, length, and whether its group is
+                                it lives in, reward, overlong penalty, advantage, length, source,
+                                and whether it was cut at the length limit and its group is
                                 uniform. Its presence means the phase is generated.
+        reference_logprobs.arrow with algo.kl_coef > 0 and kl_target: reference, the reference
+                                policy's log-prob of every response token, in phase order
         behaviour_learner.arrow with algo.behaviour_logprobs: learner, the learner's log-prob of
                                 every response token under the weights the engine sampled from,
                                 in phase order (written before the phase's first update)
@@ -24,19 +27,19 @@ written, and a resume (with any number of replicas) regenerates exactly those.
 
 What grows with what, at 10^6 responses, 10^9 response tokens and ~300 prompt tokens:
 shards hold 4 GB of response ids, 4 GB of log-probs and 1.2 GB of prompt ids (each of the G
-responses repeats its prompt, so a shard reads alone) on the shared run directory; index.arrow is
-~30 B a response (30 MB). Each rank holds, per response: the shards' list offsets (8 B), the
-index columns (29 B, a read-only map of index.arrow) and the train-row list (8 B): ~45 MB at 10^6
-responses, against the ~10 GB of the phase; plus one update's batch, and a file descriptor per
-shard. The page cache may hold more of the shards; it is the kernel's, shared by the node's ranks.
+responses repeats its prompt, so a shard reads alone) on the shared run directory, and the
+source of each response (~10 B); index.arrow is ~50 B a response (50 MB). Each rank holds, per
+response: the shards' list offsets (8 B), the index columns (~50 B, a read-only map of
+index.arrow) and the train-row list (8 B): ~66 MB at 10^6 responses, against the ~10 GB of the
+phase; plus one update's batch, and a file descriptor per shard. The page cache may hold more of
+the shards; it is the kernel's, shared by the node's ranks. Reading a phase back is
+``phase.data``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import resource
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,12 +47,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from mugrpo_megatron.arrow_files import AtomicFile, buffer_positions, list_column
-from mugrpo_megatron.objective import group_advantages
+from mugrpo_megatron.arrow_files import AtomicFile, list_column
+from mugrpo_megatron.objective import group_advantages, overlong_penalty
 from mugrpo_megatron.outputs import write_file
-from mugrpo_megatron.phase.batches import padded_batch
-from mugrpo_megatron.phase.schedule import Minibatch, Phase, PhaseScheduler
-from mugrpo_megatron.types import Generation, TrainBatch
+from mugrpo_megatron.phase.schedule import Phase
+from mugrpo_megatron.types import Generation
 
 SHARD_SCHEMA = pa.schema([
     ("group", pa.int64()),             # position of the prompt in the phase
@@ -60,12 +62,49 @@ SHARD_SCHEMA = pa.schema([
     ("behav_logprobs", pa.list_(pa.float32())),  # the engine's log-prob of each response token
     ("finish_reason", pa.string()),    # 'stop' or 'length'
     ("reward", pa.float64()),
+    ("source", pa.string()),           # the prompt's source (data.source_field or its file)
 ])
 INDEX_SCHEMA = pa.schema([
-    ("shard", pa.int32()), ("row", pa.int32()), ("reward", pa.float64()),
-    ("advantage", pa.float64()), ("response_len", pa.int32()), ("truncated", pa.bool_()),
-    ("uniform", pa.bool_()),
+    ("group", pa.int64()), ("shard", pa.int32()), ("row", pa.int32()), ("reward", pa.float64()),
+    ("penalty", pa.float64()), ("advantage", pa.float64()), ("response_len", pa.int32()),
+    ("truncated", pa.bool_()), ("uniform", pa.bool_()), ("source", pa.int32()),
 ])
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """How a phase's rewards become advantages, once, when it is indexed (``finalize``): DAPO's
+    overlong penalty added to each reward, then group-normalised (``objective.group_advantages``,
+    Dr.GRPO's without the std)."""
+
+    eps: float = 1e-6
+    """``algo.adv_eps``."""
+    norm_by_std: bool = True
+    """``algo.norm_adv_by_std``."""
+    max_new_tokens: int = 0
+    """``rollout.max_new_tokens``, where the overlong penalty reaches its full value."""
+    overlong_buffer_tokens: int = 0
+    """``algo.overlong_buffer_tokens`` (0: no penalty)."""
+    overlong_penalty: float = 1.0
+    """``algo.overlong_penalty``."""
+
+    @classmethod
+    def of(cls, cfg) -> Advantages:
+        a = cfg.algo
+        return cls(a.adv_eps, a.norm_adv_by_std, cfg.rollout.max_new_tokens,
+                   a.overlong_buffer_tokens, a.overlong_penalty)
+
+    def penalty(self, lengths: np.ndarray) -> np.ndarray:
+        """Each response's overlong penalty (0 without one)."""
+        return overlong_penalty(torch.from_numpy(np.asarray(lengths)), self.max_new_tokens,
+                                self.overlong_buffer_tokens, self.overlong_penalty).numpy()
+
+    def informative(self, rewards: np.ndarray, lengths: np.ndarray, group_size: int
+                    ) -> np.ndarray:
+        """[groups] bool: whether each group's shaped rewards differ (its advantages are not
+        all 0), from its rewards and lengths in phase order (``uniform_groups: refill``)."""
+        shaped = (np.asarray(rewards, np.float64) + self.penalty(lengths)).reshape(-1, group_size)
+        return shaped.max(axis=1) != shaped.min(axis=1)
 
 
 @dataclass(frozen=True)
@@ -83,14 +122,17 @@ class ScoredGroup:
     """float32 behaviour log-prob of each response token."""
     finish_reasons: Sequence[str]
     rewards: Sequence[float]
+    source: str = ""
+    """The prompt's source (``Prompt.source``)."""
 
     @classmethod
     def of(cls, position: int, prompt_index: int, prompt_ids: Sequence[int],
-           generations: Sequence[Generation], rewards: Sequence[float]) -> ScoredGroup:
+           generations: Sequence[Generation], rewards: Sequence[float], source: str = ""
+           ) -> ScoredGroup:
         return cls(position, prompt_index, prompt_ids,
                    [np.asarray(g.token_ids, dtype=np.int32) for g in generations],
                    [np.asarray(g.logprobs, dtype=np.float32) for g in generations],
-                   [g.finish_reason for g in generations], list(rewards))
+                   [g.finish_reason for g in generations], list(rewards), source)
 
 
 def phase_dir(run_dir: Path, phase: int) -> Path:
@@ -119,6 +161,7 @@ def write_shard(directory: Path, groups: Sequence[ScoredGroup]) -> Path:
                                        pa.float32()),
         "finish_reason": pa.array([x for g in groups for x in g.finish_reasons], pa.string()),
         "reward": pa.array([x for g in groups for x in g.rewards], pa.float64()),
+        "source": pa.array(np.repeat([g.source for g in groups], sizes).tolist(), pa.string()),
     }, schema=SHARD_SCHEMA)
     first = min(g.position for g in groups)
     path = directory / f"shard_{first:09d}.arrow"
@@ -150,15 +193,31 @@ def shard_paths(directory: Path) -> list[Path]:
 
 
 def persisted_groups(directory: Path, num_groups: int) -> np.ndarray:
-    """[num_groups] bool: which of the phase's groups are on disk (reads one column per shard)."""
+    """[num_groups] bool: which of the phase's first ``num_groups`` positions have their group
+    on disk (reads one column per shard). ``num_groups`` bounds the positions a phase can hold
+    (with ``uniform_groups: refill``, its planned groups and the rounds beyond them)."""
     done = np.zeros(num_groups, dtype=bool)
     for path in shard_paths(directory):
         groups = column(open_table(path), "group")
         if groups.size and (groups.min() < 0 or groups.max() >= num_groups):
-            raise ValueError(f"{path}: holds group {int(groups.max())}, but the phase has "
+            raise ValueError(f"{path}: holds group {int(groups.max())}, but the phase has at most "
                              f"{num_groups}; this run directory belongs to another setting")
         done[groups] = True
     return done
+
+
+def informative_groups(directory: Path, num_groups: int, group_size: int,
+                       advantages: Advantages) -> np.ndarray:
+    """[num_groups] bool: the persisted groups whose shaped rewards differ (their advantages are
+    not all 0), for a resumed refill: one reward and one offsets column per shard."""
+    out = np.zeros(num_groups, dtype=bool)
+    for path in shard_paths(directory):
+        t = open_table(path)
+        order = np.lexsort((column(t, "sample"), column(t, "group")))
+        groups = column(t, "group")[order][::group_size]
+        lengths = np.diff(t.column("response_ids").chunk(0).offsets.to_numpy())[order]
+        out[groups] = advantages.informative(column(t, "reward")[order], lengths, group_size)
+    return out
 
 
 def is_generated(directory: Path) -> bool:
@@ -185,295 +244,71 @@ def record_plan(directory: Path, phase: Phase) -> None:
     write_file(path, json.dumps(plan))
 
 
-def finalize(directory: Path, num_groups: int, group_size: int, eps: float) -> Path:
-    """Index the phase's shards in phase order with group-normalised advantages (computed once,
-    vectorised) and uniform-group flags; write ``index.arrow`` atomically. Checks that every
-    group is there exactly once, with its G responses. Reads four small columns of each shard:
-    O(responses) memory (~40 MB at 10^6), on one rank, once a phase."""
+def finalize(directory: Path, num_groups: int, group_size: int, advantages: Advantages
+             ) -> Path:
+    """Index the phase's shards in phase order (group position, then sample) with advantages
+    computed once, vectorised (``Advantages``: the overlong penalty added to each reward, then
+    group-normalised), uniform-group flags and sources; write ``index.arrow`` atomically.
+    Checks that each of the phase's ``num_groups`` planned groups is there, that every group on
+    disk (refill's beyond them too) has its G responses, and that none is there twice. Reads
+    six small columns of each shard: O(responses) memory (~50 MB at 10^6), on one rank, once a
+    phase."""
     paths = shard_paths(directory)
-    n = num_groups * group_size
-    where = np.full(n, -1, dtype=np.int64)
-    shard = np.zeros(n, dtype=np.int32)
-    row = np.zeros(n, dtype=np.int32)
-    reward = np.zeros(n, dtype=np.float64)
-    length = np.zeros(n, dtype=np.int32)
-    truncated = np.zeros(n, dtype=bool)
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in (
+        "group", "sample", "shard", "row", "reward", "length", "truncated", "source")}
+    sources: dict[str, int] = {}
     for s, path in enumerate(paths):
         t = open_table(path)
-        pos = column(t, "group") * group_size + column(t, "sample")
-        if (pos < 0).any() or (pos >= n).any() or (where[pos] >= 0).any() or \
-                len(np.unique(pos)) != len(pos):
-            raise ValueError(f"{path}: holds responses outside the phase's {num_groups} x "
-                             f"{group_size}, or ones another shard holds too")
-        where[pos] = s
-        shard[pos] = s
-        row[pos] = np.arange(len(pos), dtype=np.int32)
-        reward[pos] = column(t, "reward")
-        offsets = t.column("response_ids").chunk(0).offsets.to_numpy()
-        length[pos] = np.diff(offsets)
-        truncated[pos] = column(t, "finish_reason") == "length"
-    missing = np.flatnonzero(where < 0)
+        n = t.num_rows
+        parts["group"].append(column(t, "group"))
+        parts["sample"].append(column(t, "sample"))
+        parts["shard"].append(np.full(n, s, dtype=np.int32))
+        parts["row"].append(np.arange(n, dtype=np.int32))
+        parts["reward"].append(column(t, "reward"))
+        parts["length"].append(np.diff(t.column("response_ids").chunk(0).offsets.to_numpy()))
+        parts["truncated"].append(column(t, "finish_reason") == "length")
+        names = column(t, "source") if "source" in t.column_names else np.full(n, "")
+        uniq, inverse = np.unique(names.astype(str), return_inverse=True)
+        codes = np.array([sources.setdefault(str(u), len(sources)) for u in uniq], np.int32)
+        parts["source"].append(codes[inverse].astype(np.int32))
+    cols = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in parts.items()}
+    order = np.lexsort((cols["sample"], cols["group"]))
+    cols = {k: v[order] for k, v in cols.items()}
+    group, sample = cols["group"].astype(np.int64), cols["sample"].astype(np.int64)
+    key = group * group_size + sample
+    bad = (sample < 0) | (sample >= group_size) | (group < 0)
+    twice = np.flatnonzero(np.diff(key) == 0)
+    if bad.any() or twice.size:
+        at = cols["shard"][np.flatnonzero(bad)[0]] if bad.any() else \
+            max(cols["shard"][twice[0]], cols["shard"][twice[0] + 1])
+        raise ValueError(f"{paths[int(at)]}: holds responses outside the phase's groups of "
+                         f"{group_size}, or ones another shard holds too")
+    present, counts = np.unique(group, return_counts=True)
+    missing = np.setdiff1d(np.arange(num_groups), present)
     if missing.size:
-        raise ValueError(f"{directory}: {missing.size} of {n} responses are missing (first: group "
-                         f"{missing[0] // group_size}); the phase did not finish generating")
-    adv = group_advantages(torch.from_numpy(reward), group_size, eps).numpy()
-    groups = reward.reshape(-1, group_size)
-    uniform = np.repeat(groups.max(axis=1) == groups.min(axis=1), group_size)
-    table = pa.table({"shard": shard, "row": row, "reward": reward, "advantage": adv,
-                      "response_len": length, "truncated": truncated, "uniform": uniform},
+        raise ValueError(f"{directory}: {missing.size * group_size} of {num_groups * group_size} "
+                         f"responses are missing (first: group {int(missing[0])}); the phase did "
+                         f"not finish generating")
+    if (counts != group_size).any():
+        k = int(np.flatnonzero(counts != group_size)[0])
+        raise ValueError(f"{directory}: group {int(present[k])} holds {int(counts[k])} of its "
+                         f"{group_size} responses")
+    penalty = advantages.penalty(cols["length"])
+    shaped = torch.from_numpy(cols["reward"].astype(np.float64) + penalty)
+    adv = group_advantages(shaped, group_size, advantages.eps, advantages.norm_by_std).numpy()
+    by_group = shaped.numpy().reshape(-1, group_size)
+    uniform = np.repeat(by_group.max(axis=1) == by_group.min(axis=1), group_size)
+    table = pa.table({"group": group, "shard": cols["shard"].astype(np.int32),
+                      "row": cols["row"].astype(np.int32),
+                      "reward": cols["reward"].astype(np.float64), "penalty": penalty,
+                      "advantage": adv, "response_len": cols["length"].astype(np.int32),
+                      "truncated": cols["truncated"].astype(bool), "uniform": uniform,
+                      "source": cols["source"].astype(np.int32)},
                      schema=INDEX_SCHEMA.with_metadata(
                          {"shards": json.dumps([p.name for p in paths]),
-                          "group_size": str(group_size)}))
+                          "group_size": str(group_size), "planned_groups": str(num_groups),
+                          "sources": json.dumps(list(sources))}))
     path = directory / "index.arrow"
     with AtomicFile(path, table.schema, "rollouts") as f:
         f.write(table)
     return path
-
-
-def _locate(t: pa.Table, name: str, at) -> tuple[np.ndarray, int]:
-    """A list column's offsets (copied) and the file position of its first value (4-byte values,
-    as SHARD_SCHEMA has them; ``at`` from ``buffer_positions``)."""
-    values = t.column(name).chunk(0).values
-    return t.column(name).chunk(0).offsets.to_numpy().copy(), \
-        at(values.buffers()[1]) + values.offset * 4
-
-
-class _Shard:
-    """One shard, read row by row with ``pread``: its list offsets in memory (8 bytes a row), its
-    token and log-prob values on disk. Reads go through the page cache (shared by a node's ranks)
-    without mapping the file into the rank, so a rank's memory does not grow as its updates read
-    their way through the phase. (A memory map would: each page fault maps the pages around it,
-    ~200 MB of a shard per 1024-row update, released only when unmapped.)"""
-
-    def __init__(self, path: Path):
-        try:
-            with buffer_positions(path) as (reader, at):
-                t = reader.read_all()
-                self.prompt_off, self.prompt_at = _locate(t, "prompt_ids", at)
-                self.resp_off, self.resp_at = _locate(t, "response_ids", at)
-                _, self.logp_at = _locate(t, "behav_logprobs", at)  # response_ids' offsets
-                del t
-        except (pa.ArrowInvalid, OSError, KeyError) as e:
-            raise ValueError(f"{path}: not a readable rollout shard ({e})") from e
-        self.fd = os.open(path, os.O_RDONLY)
-
-    def _read(self, at: int, offsets: np.ndarray, row: int, dtype) -> np.ndarray:
-        a, b = int(offsets[row]), int(offsets[row + 1])
-        return np.frombuffer(os.pread(self.fd, (b - a) * 4, at + a * 4), dtype=dtype)
-
-    def tokens(self, r: int) -> tuple[np.ndarray, np.ndarray]:
-        return (self._read(self.prompt_at, self.prompt_off, r, np.int32),
-                self._read(self.resp_at, self.resp_off, r, np.int32))
-
-    def row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return (*self.tokens(r), self._read(self.logp_at, self.resp_off, r, np.float32))
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-def _allow_open_files(n: int) -> None:
-    """Each open shard holds a file descriptor: raise the soft limit toward the hard one."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = n + 256
-    if soft != resource.RLIM_INFINITY and soft < want:
-        top = want if hard == resource.RLIM_INFINITY else min(want, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
-        if top < want:
-            raise ValueError(f"{n} rollout shards need {want} open files, the hard limit is {hard}:"
-                             f" raise rollout.shard_prompts (fewer, larger shards) or `ulimit -n`")
-
-
-BEHAVIOUR_FILE = "behaviour_learner.arrow"
-_LOGP_SCHEMA = pa.schema([("logprobs", pa.list_(pa.float32()))])
-
-
-class LearnerLogprobWriter(AtomicFile):
-    """The learner's behaviour log-probs of a phase's responses, in phase order, written a chunk
-    of rows at a time; ``commit`` refuses a file that does not hold every row."""
-
-    def __init__(self, directory: Path, num_samples: int):
-        super().__init__(directory / BEHAVIOUR_FILE, _LOGP_SCHEMA, "behaviour log-probs")
-        self.num_samples, self.rows = num_samples, 0
-
-    def add(self, logprobs: Sequence[np.ndarray]) -> None:
-        self.write(pa.record_batch([list_column(logprobs, np.float32, pa.float32())],
-                                   schema=_LOGP_SCHEMA))
-        self.rows += len(logprobs)
-
-    def commit(self) -> None:
-        if self.rows != self.num_samples:
-            self.abort()
-            raise ValueError(f"{self.rows} rows of behaviour log-probs for a phase of "
-                             f"{self.num_samples}")
-        super().commit()
-
-
-class _LogprobFile:
-    """The learner's behaviour log-probs, read row by row with ``pread``: each row's file position
-    and length in memory (12 bytes a response, as the shards' offsets), found once through a map
-    of the file that is closed again."""
-
-    def __init__(self, path: Path, num_samples: int):
-        try:
-            with buffer_positions(path) as (reader, position):
-                at, lengths = [], []
-                for k in range(reader.num_record_batches):
-                    column = reader.get_batch(k).column(0)
-                    offsets = column.offsets.to_numpy().astype(np.int64)
-                    at.append(position(column.values.buffers()[1]) + 4 * offsets[:-1])
-                    lengths.append(np.diff(offsets))
-        except (pa.ArrowInvalid, OSError) as e:
-            raise ValueError(f"{path}: not a readable behaviour log-prob file ({e})") from e
-        self.at = np.concatenate(at) if at else np.zeros(0, dtype=np.int64)
-        self.length = np.concatenate(lengths).astype(np.int32) if lengths else \
-            np.zeros(0, dtype=np.int32)
-        if len(self.at) != num_samples:
-            raise ValueError(f"{path}: {len(self.at)} rows for a phase of {num_samples}")
-        self.fd = os.open(path, os.O_RDONLY)
-
-    def row(self, i: int) -> np.ndarray:
-        return np.frombuffer(os.pread(self.fd, int(self.length[i]) * 4, int(self.at[i])),
-                             dtype=np.float32)
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-@dataclass(frozen=True)
-class UpdateBatch:
-    """One update of a phase, as this rank trains on it."""
-
-    minibatch: Minibatch
-    rows: np.ndarray
-    """The update's phase rows over every data-parallel rank (a multiple of DP x micro-batch)."""
-    batch: TrainBatch | None
-    """This rank's share of them, read from the shards (None: too few rows for one microbatch
-    on every rank; the update is skipped)."""
-
-
-class PhaseData:
-    """A generated phase as the learner sees it, on every rank, without holding it: the index's
-    columns as numpy and each shard open for reading. ``batch(rows)`` reads just those rows;
-    ``updates`` yields each update's batch for this rank: the rank's data-parallel share, padded
-    with ``pad_id``, both given once here."""
-
-    def __init__(self, directory: Path, drop_uniform: bool, *, pad_id: int = 0,
-                 dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int = 1):
-        index = open_table(directory / "index.arrow")
-        meta = index.schema.metadata or {}
-        names = json.loads(meta[b"shards"])
-        self.group_size = int(meta[b"group_size"])
-        self.directory = directory
-        _allow_open_files(len(names))
-        self.shards = [_Shard(directory / name) for name in names]
-        self.shard = column(index, "shard")
-        self.row = column(index, "row")
-        self.reward = column(index, "reward")
-        self.advantage = column(index, "advantage")
-        self.response_len = column(index, "response_len")
-        self.truncated = column(index, "truncated")
-        self.uniform = column(index, "uniform")
-        self._index = index
-        self.train_rows = np.flatnonzero(~self.uniform) if drop_uniform else \
-            np.arange(len(self.reward))
-        """Rows the updates draw from (the scheduler's sample indices index this)."""
-        self.pad_id, self.dp_rank, self.dp_size = pad_id, dp_rank, dp_size
-        self.quantum = dp_size * micro_batch_size
-        """An update's rows are a multiple of this: every rank gets whole microbatches."""
-        self.drawn = np.zeros(len(self.train_rows), dtype=bool)
-        """Which train rows an update of ``updates`` has drawn so far."""
-        self.draws = 0
-        """Rows drawn, repeats counted (the passes made: ``draws / len(train_rows)``)."""
-        self._learner: _LogprobFile | None = None
-
-    def has_learner_logprobs(self) -> bool:
-        return (self.directory / BEHAVIOUR_FILE).exists()
-
-    def use_learner_logprobs(self) -> None:
-        """From now on ``batch`` gives the learner's behaviour log-probs (``BEHAVIOUR_FILE``)
-        instead of the engine's."""
-        self._learner = _LogprobFile(self.directory / BEHAVIOUR_FILE, self.num_samples)
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.reward)
-
-    @property
-    def num_uniform_groups(self) -> int:
-        return int(self.uniform.sum()) // self.group_size
-
-    def response(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Prompt ids, response ids and behaviour log-probs of phase row ``i`` (read from disk)."""
-        return self.shards[self.shard[i]].row(int(self.row[i]))
-
-    def close(self) -> None:
-        for sh in self.shards:
-            sh.close()
-        self.shards = []
-        if self._learner is not None:
-            self._learner.close()
-            self._learner = None
-
-    def updates(self, schedule: PhaseScheduler, phase: Phase, first: int, once: bool
-                ) -> Iterator[UpdateBatch]:
-        """The phase's updates from global update ``first`` on (a resume skips the earlier ones,
-        which it still counts as drawn), each with this rank's batch: the update's rows are
-        ``schedule.update_size`` samples of the train rows (``once``: uniform groups dropped
-        once, ``algo.uniform_groups: drop_once``), cut to a multiple of DP x micro-batch, and
-        this rank reads its contiguous share of them and nothing else (1 / DP of the update's
-        ~12 MB of tokens and log-probs at 10^6 response tokens an update, DP 8). Stops where the
-        caller stops (the drift bound ends a phase early)."""
-        train = self.train_rows
-        if not len(train):
-            return
-        size = schedule.update_size(len(train), once, self.quantum, phase)
-        for mb in schedule.minibatches(phase, len(train), size):
-            picked = np.asarray(mb.sample_indices, dtype=np.int64)
-            picked = picked[:len(picked) - len(picked) % self.quantum]
-            self.drawn[picked] = True
-            self.draws += len(picked)
-            if mb.update < first:
-                continue
-            rows = train[picked]
-            share = len(rows) // self.dp_size
-            mine = rows[self.dp_rank * share:(self.dp_rank + 1) * share]
-            yield UpdateBatch(mb, rows, self.batch(mine) if len(rows) else None)
-
-    @property
-    def passes(self) -> float:
-        """Passes over the train rows that the updates drawn so far made."""
-        return self.draws / len(self.train_rows) if len(self.train_rows) else 0.0
-
-    @property
-    def unused_frac(self) -> float:
-        """The share of the phase's responses that no update drew (generated for nothing): the
-        uniform groups dropped, and what an early end left."""
-        return 1.0 - int(self.drawn.sum()) / self.num_samples if self.num_samples else 0.0
-
-    def batch(self, rows: Sequence[int] | np.ndarray, multiple_of: int = 1,
-              engine_logprobs: bool = False) -> TrainBatch:
-        """Right-padded (``pad_id``) prompt+response rows for phase rows ``rows``: reads those
-        rows from the shards and nothing else. Memory and time: the batch, whatever the phase's
-        size. The behaviour log-probs are the learner's after ``use_learner_logprobs`` (the
-        shards' are then not read), else the engine's; ``engine_logprobs`` asks for the
-        engine's always."""
-        rows = np.asarray(rows, dtype=np.int64)
-        learner = None if engine_logprobs else self._learner
-        if learner is None:
-            picked = [self.response(int(i)) for i in rows]
-        else:
-            picked = [(*self.shards[self.shard[i]].tokens(int(self.row[i])), learner.row(int(i)))
-                      for i in rows]
-        return padded_batch(picked, self.advantage[rows], self.pad_id, multiple_of)
-
-    def stats(self) -> dict:
-        """The phase's summary numbers (vectorised over the index)."""
-        n = max(self.num_samples, 1)
-        return {"reward_mean": float(self.reward.mean()), "reward_std": float(self.reward.std()),
-                "num_samples": self.num_samples, "num_train_samples": len(self.train_rows),
-                "uniform_groups": self.num_uniform_groups,
-                "uniform_group_frac": float(self.uniform.sum()) / n,
-                "response_len": float(self.response_len.mean()),
-                "response_tokens": int(self.response_len.sum(dtype=np.int64)),
-                "truncated_frac": float(self.truncated.sum()) / n}
