@@ -69,7 +69,7 @@ def run_job(job: Job, model: Path, data: Path, run_dir: Path, args) -> dict:
     r, seed, mu, grid = job.row, job.seed, job.mu, args.grid
     sets = {
         "model.path": model, "data.path": data / "train.jsonl", "data.eval_path": data / "eval.jsonl",
-        "data.eval_size": args.eval_size, "rollout.eval_samples": args.eval_samples,
+        "data.eval_size": args.eval_size, "eval.samples": args.eval_samples,
         "rollout.group_size": args.group_size, "algo.total_updates": grid.updates,
         "algo.updates_per_phase": mu, "algo.samples_per_update": grid.samples_per_update,
         "algo.prompts_per_phase": mu * grid.samples_per_update // args.group_size,

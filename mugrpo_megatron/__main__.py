@@ -5,7 +5,7 @@ it drives, and this module parses and dispatches.
 - ``plan``: validate a config for a world size and print the phase schedule (``dryrun.plan``).
 - ``train``: run Mu-GRPO (``trainer``; ``--dry-run``: layout and per-GPU memory, ``dryrun``).
 - ``convert``: HF <-> Megatron checkpoints in any TP/PP layout (``learner.convert``).
-- ``eval``: pass@1 / mean@k / pass@k of a checkpoint on a math benchmark file (``evaluation``).
+- ``eval``: pass@k and mean@k of a checkpoint on named held-out sets (``evaluation``).
 - ``rollouts``: a run's persisted rollouts of one phase, summed up and decoded (``phase.viewer``).
 """
 
@@ -60,6 +60,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     model = Path(cfg.model.path) / "config.json" if cfg.model.path else None
     check_layout(cfg, world, args.gpus_per_node or launcher_ranks_per_node(),
                  read_model_spec(model.parent) if model and model.is_file() else None)
+    from mugrpo_megatron.inputs import check_rewards
+
+    check_rewards(cfg)  # every reward function imports and takes what the scorer gives
     start = run_dir.check(cfg, overwrite=args.overwrite)  # reads only; every rank
     from mugrpo_megatron.trainer import train
 
@@ -159,15 +162,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     _overwrite_arg(p, "--out")
     p.set_defaults(fn=cmd_convert)
-    p = sub.add_parser("eval", help="score a checkpoint (HF dir or Megatron checkpoint) on a "
-                                    "local math benchmark file")
+    p = sub.add_parser("eval", help="score a checkpoint (HF dir or Megatron checkpoint) on "
+                                    "held-out sets: pass@k and mean@k by set and source")
     _config_args(p)
     p.add_argument("--model", help="HF directory or Megatron checkpoint (default: model.path)")
-    p.add_argument("--data", help="benchmark file (jsonl/parquet; default: data.eval_path)")
-    p.add_argument("--limit", type=int, default=1_000_000, help="at most this many problems")
-    p.add_argument("--samples", type=int, default=1,
-                   help="k responses per problem: 1 decodes greedily (pass@1); k > 1 samples at "
-                        "rollout.temperature and reports mean@k and pass@k")
+    p.add_argument("--data", action="append", default=None, metavar="[NAME=]PATH",
+                   help="a held-out set (jsonl/parquet/hub id, read as data.* says), named by "
+                        "NAME or its file's stem; repeatable (default: data.eval_path's sets)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="at most this many problems a set (default: data.eval_size)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="responses per problem (default: eval.samples): 1 decodes greedily; "
+                        "more sample at eval.temperature (or rollout.temperature) for pass@k "
+                        "(eval.pass_k) and mean@k")
     p.add_argument("--output", help="also write the result as JSON here")
     _overwrite_arg(p, "--output")
     p.set_defaults(fn=cmd_eval)

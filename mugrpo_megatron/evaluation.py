@@ -1,87 +1,167 @@
-"""Held-out evaluation: the engine answers, the reward scores (pass@1, mean@k, pass@k); and the
-``eval`` command, which does it for a checkpoint on a benchmark file."""
+"""Held-out evaluation: named sets, each sampled with its own number of responses a prompt, scored
+with the training reward, and reported as pass@k (the unbiased estimator) and mean@k, by set and
+by source within a set; and the ``eval`` command, which does it for a checkpoint.
+
+pass@k is Chen et al. (2021)'s unbiased estimator from n >= k samples a problem with c correct:
+1 - C(n - c, k) / C(n, k), averaged over problems (a sample is correct when its reward is at
+least 1, the math rewards' 1.0). mean@k, the mean reward of k samples a problem, has the same
+expectation for every k: the set's mean reward over its n samples (verl's mean@N), reported at
+each k beside pass@k.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mugrpo_megatron import outputs
 from mugrpo_megatron.config import Config, ParallelConfig
-from mugrpo_megatron.rewards import RewardScorer
+from mugrpo_megatron.rewards import RewardScorer, RowInfo
 from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
 
 if TYPE_CHECKING:
     from mugrpo_megatron.engines.base import RolloutEngine
 
+CORRECT = 1.0
+"""The reward at which a held-out sample counts as correct for pass@k."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al. (2021)'s unbiased pass@k of one problem: 1 - C(n - c, k) / C(n, k), computed
+    as a product (no large binomials): 1 - prod_{i = n - c + 1}^{n} (1 - k / i)."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
 
 @dataclass(frozen=True)
 class EvalResult:
+    """One held-out set's scores (and its sources', when it has several)."""
+
     num_prompts: int
-    k: int
-    mean_at_k: float
-    """Mean reward over all k x prompts responses (pass@1 estimated from k samples)."""
-    pass_at_k: float
-    """Fraction of prompts with at least one response of reward 1."""
+    samples: int
+    """n: responses a prompt."""
+    mean_reward: float
+    """Mean reward over every response (mean@k for every k)."""
+    pass_at: dict[int, float]
+    """pass@k by k (the unbiased estimator)."""
     mean_response_tokens: float
     num_timeouts: int
+    by_source: dict[str, EvalResult] = field(default_factory=dict)
+    """The same for each source of a set that has several."""
 
-    def as_dict(self) -> dict[str, float]:
-        return {"eval_mean_at_k": self.mean_at_k, "eval_pass_at_k": self.pass_at_k,
-                "eval_k": self.k, "eval_prompts": self.num_prompts,
-                "eval_response_tokens": self.mean_response_tokens,
-                "eval_reward_timeouts": self.num_timeouts}
+    def as_dict(self) -> dict:
+        out = {"prompts": self.num_prompts, "samples": self.samples,
+               **{f"mean@{k}": self.mean_reward for k in self.pass_at},
+               **{f"pass@{k}": v for k, v in self.pass_at.items()},
+               "response_tokens": self.mean_response_tokens, "reward_timeouts": self.num_timeouts}
+        if self.by_source:
+            out["by_source"] = {s: r.as_dict() for s, r in self.by_source.items()}
+        return out
 
 
-def eval_sampling(*, k: int, max_new_tokens: int, temperature: float = 1.0, seed: int = 0
-                  ) -> SamplingSpec:
-    """k responses per prompt, greedy when k == 1."""
-    return SamplingSpec(n=k, max_new_tokens=max_new_tokens,
-                        temperature=0.0 if k == 1 else temperature, seed=seed)
+def eval_sampling(*, k: int, max_new_tokens: int, temperature: float | None = None,
+                  top_p: float = 1.0, seed: int = 0) -> SamplingSpec:
+    """k responses per prompt, greedy when k == 1 and no temperature is given."""
+    if temperature is None:
+        temperature = 0.0 if k == 1 else 1.0
+    return SamplingSpec(n=k, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_p=top_p if temperature > 0 else 1.0, seed=seed)
+
+
+def set_sampling(cfg: Config, name: str) -> SamplingSpec:
+    """How held-out set ``name`` is sampled (``eval.*``; rollout's temperature where none is
+    given and a prompt gets several samples)."""
+    n = cfg.eval.samples_for(name)
+    temperature = cfg.eval.temperature
+    if temperature is None and n > 1:
+        temperature = cfg.rollout.temperature
+    return eval_sampling(k=n, max_new_tokens=cfg.eval_max_new_tokens, temperature=temperature,
+                         top_p=cfg.eval.top_p, seed=cfg.rollout.seed)
+
+
+def reported_k(cfg: Config, n: int) -> list[int]:
+    """The k reported for a set of n samples a prompt: ``eval.pass_k``'s that are at most n, or
+    1 and n."""
+    ks = [k for k in cfg.eval.pass_k if k <= n] if cfg.eval.pass_k else [1, n]
+    return sorted(set(ks))
 
 
 def score_eval(gens: Sequence[Sequence[Generation]], prompts: Sequence[Prompt],
-               scorer: RewardScorer, tokenizer) -> EvalResult:
-    """Score each prompt's k responses with the training reward."""
-    k = len(gens[0]) if gens else 1
-    texts, answers, lengths = [], [], []
+               scorer: RewardScorer, tokenizer, ks: Sequence[int]) -> EvalResult:
+    """Score each prompt's n responses with the training reward (routed by source, given the
+    row as in training); pass@k for each k of ``ks``, overall and by source."""
+    texts, answers, rows, lengths = [], [], [], []
     for prompt, group in zip(prompts, gens):
         for g in group:
             texts.append(tokenizer.decode(list(g.token_ids), skip_special_tokens=True))
             answers.append(prompt.answer)
+            rows.append(RowInfo(prompt.source, prompt.text, prompt.metadata))
             lengths.append(len(g.token_ids))
-    outcome = scorer.score(texts, answers)
-    rewards = outcome.rewards
-    solved = [max(rewards[i * k:(i + 1) * k]) >= 1.0 for i in range(len(prompts))]
-    n = max(len(rewards), 1)
-    return EvalResult(num_prompts=len(prompts), k=k, mean_at_k=sum(rewards) / n,
-                      pass_at_k=sum(solved) / max(len(prompts), 1),
-                      mean_response_tokens=sum(lengths) / n, num_timeouts=outcome.num_timeouts)
+    outcome = scorer.score(texts, answers, rows)
+    n = len(gens[0]) if gens else 1
+    per_prompt = [outcome.rewards[i * n:(i + 1) * n] for i in range(len(prompts))]
+    result = _result(per_prompt, lengths, n, ks, outcome.num_timeouts)
+    sources = sorted({p.source for p in prompts})
+    if len(sources) > 1:
+        by = {}
+        for s in sources:
+            idx = [i for i, p in enumerate(prompts) if p.source == s]
+            by[s] = _result([per_prompt[i] for i in idx],
+                            [lengths[i * n + j] for i in idx for j in range(n)], n, ks, 0)
+        result = replace(result, by_source=by)
+    return result
 
 
-def evaluate(engine: RolloutEngine, scorer: RewardScorer, tokenizer, prompts: Sequence[Prompt], *,
-             k: int, max_new_tokens: int, temperature: float = 1.0, seed: int = 0) -> EvalResult:
-    """k responses per prompt (greedy when k == 1) from one engine, scored with the training
-    reward."""
-    spec = eval_sampling(k=k, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+def _result(per_prompt: list[list[float]], lengths: list[int], n: int, ks: Sequence[int],
+            timeouts: int) -> EvalResult:
+    correct = [sum(r >= CORRECT for r in rs) for rs in per_prompt]
+    total = max(len(per_prompt) * n, 1)
+    return EvalResult(
+        num_prompts=len(per_prompt), samples=n,
+        mean_reward=sum(sum(rs) for rs in per_prompt) / total,
+        pass_at={k: sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1) for k in ks},
+        mean_response_tokens=sum(lengths) / max(len(lengths), 1), num_timeouts=timeouts)
+
+
+def evaluate(engine: RolloutEngine, scorer: RewardScorer, tokenizer, prompts: Sequence[Prompt],
+             spec: SamplingSpec, ks: Sequence[int]) -> EvalResult:
+    """``spec.n`` responses per prompt from one engine, scored with the training reward."""
     return score_eval(engine.generate([p.token_ids for p in prompts], spec), prompts, scorer,
-                      tokenizer)
+                      tokenizer, ks)
 
 
-def evaluate_checkpoint(cfg: Config, model: Path, *, data: str | None, limit: int, samples: int,
-                        output: str | None = None, overwrite: bool = False) -> dict:
-    """The ``eval`` command: ``samples`` responses a problem of ``data`` (default
-    ``data.eval_path``; at most ``limit``) from the checkpoint ``model`` (an HF directory, or a
-    Megatron checkpoint of ours, converted to HF in a temporary directory first: a directory
-    either way, which the caller checked), scored with
-    ``cfg.reward``; the result as a dict, also written to ``output`` as JSON."""
+def evaluate_checkpoint(cfg: Config, model: Path, *, data: list[str] | None, limit: int | None,
+                        samples: int | None, output: str | None = None,
+                        overwrite: bool = False) -> dict:
+    """The ``eval`` command: every held-out set of ``data`` (``NAME=PATH`` or ``PATH`` each;
+    default ``data.eval_path``'s sets; at most ``limit`` problems a set, default
+    ``data.eval_size``), sampled as ``eval.*`` says (``samples`` overriding ``eval.samples``),
+    from the checkpoint ``model`` (an HF directory, or a Megatron checkpoint of ours, converted
+    to HF in a temporary directory first: a directory either way, which the caller checked),
+    scored with ``cfg.reward``; the results by set as a dict, also written to ``output`` as
+    JSON."""
     if output:
         outputs.check_destination(output, [model], overwrite=overwrite, what="--output",
                                   directory=False)
+    data_cfg = cfg.data
+    if data:
+        sets = dict(_named(item) for item in data)
+        data_cfg = replace(data_cfg, eval_path=sets)
+    if limit is not None:
+        data_cfg = replace(data_cfg, eval_size=limit)
+    eval_cfg = cfg.eval if samples is None else replace(cfg.eval, samples=samples)
+    cfg = replace(cfg, data=data_cfg, eval=eval_cfg)  # checked again as a whole
+    if not cfg.data.eval_sets:
+        raise ValueError("eval needs held-out data: --data PATH (or NAME=PATH), or "
+                         "data.eval_path in the config")
     with tempfile.TemporaryDirectory() as tmp:
         hf = model
         if (model / "state.json").is_file() or (model / ".metadata").is_file():
@@ -92,27 +172,36 @@ def evaluate_checkpoint(cfg: Config, model: Path, *, data: str | None, limit: in
             megatron_to_hf(model, hf, ParallelConfig(distributed_optimizer=False), cfg.model.dtype)
         from transformers import AutoTokenizer
 
-        from mugrpo_megatron.data import load_prompts
+        from mugrpo_megatron.data import load_eval_sets
         from mugrpo_megatron.engines import make_engine
-        from mugrpo_megatron.rewards import RewardScorer
 
         tokenizer = AutoTokenizer.from_pretrained(hf, trust_remote_code=cfg.model.trust_remote_code)
-        data_cfg = cfg.data if data is None else replace(cfg.data, eval_path=data, eval_size=limit)
-        prompts, report = load_prompts(data_cfg, tokenizer, held_out=True)
-        print(f"[eval] {report.summary()}")
+        sets = load_eval_sets(cfg.data, tokenizer)
+        for name, (_, report) in sets.items():
+            print(f"[eval] {name}: {report.summary()}")
         engine = make_engine(cfg.rollout, hf, dtype=cfg.model.dtype,
-                             max_model_len=cfg.max_sequence_tokens,
+                             max_model_len=cfg.engine_max_len,
                              trust_remote_code=cfg.model.trust_remote_code)
+        results = {}
         try:
             with RewardScorer(cfg.reward) as scorer:
-                res = evaluate(engine, scorer, tokenizer, prompts, k=samples,
-                               max_new_tokens=cfg.rollout.max_new_tokens,
-                               temperature=cfg.rollout.temperature, seed=cfg.rollout.seed)
+                for name, (prompts, _) in sets.items():
+                    spec = set_sampling(cfg, name)
+                    results[name] = evaluate(engine, scorer, tokenizer, prompts, spec,
+                                             reported_k(cfg, spec.n)).as_dict()
         finally:
             engine.shutdown()
-    out = {"model": str(model), "data": str(data_cfg.eval_path),
-           "pass@1" if samples == 1 else f"mean@{samples}": res.mean_at_k,
-           f"pass@{samples}": res.pass_at_k, **res.as_dict()}
+    out = {"model": str(model), "data": cfg.data.eval_sets, "sets": results}
     if output:
         outputs.write_file(output, json.dumps(out, indent=1))
     return out
+
+
+def _named(item: str) -> tuple[str, str]:
+    """``NAME=PATH`` as (NAME, PATH); a bare path is named by its stem."""
+    from mugrpo_megatron.config.run import source_name
+
+    name, sep, path = item.partition("=")
+    if sep and name and "/" not in name and path:
+        return name, path
+    return source_name(item), item

@@ -59,8 +59,7 @@ class MetricsLogger:
                     raise
         finally:
             os.close(fd)
-        scalars = {f"{kind}/{k}": float(v) for k, v in values.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        scalars = dict(_scalars(kind, values))
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, update)
@@ -73,6 +72,16 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _scalars(prefix: str, values: dict[str, Any]):
+    """(name, value) of every finite number in ``values``, nested mappings (a held-out set's
+    numbers, the reward by source) named by their path: ``eval/sets/math500/pass@1``."""
+    for k, v in values.items():
+        if isinstance(v, dict):
+            yield from _scalars(f"{prefix}/{k}", v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            yield f"{prefix}/{k}", float(v)
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -33,19 +33,23 @@ def write_report(run_dir: Path) -> Path:
     plots = _plot(run_dir / "plots", updates, phases)
     lines = [f"# Run report: {run_dir}", ""]
     if evals:
-        lines += ["## Held-out accuracy", "", "| when | mean@k | pass@k | k | prompts |",
-                  "|---|---|---|---|---|"]
+        lines += ["## Held-out accuracy", "", "Each set's mean reward (mean@k, the same for every "
+                  "k) and pass@k (the unbiased estimator) from n samples a prompt; a set with "
+                  "several sources also by source.", "",
+                  "| set | when | n | prompts | mean@k | pass@k |", "|---|---|---|---|---|---|"]
         for label in ("before", "after"):
             if label in evals:
-                e = evals[label]
-                lines.append(f"| {label} | {e['eval_mean_at_k']:.3f} | {e['eval_pass_at_k']:.3f} | "
-                             f"{e['eval_k']} | {e['eval_prompts']} |")
+                lines += _eval_rows(label, evals[label])
         lines.append("")
     if phases:
         lines += ["## Phases", "",
                   "| phase | updates (ended) | reward | uniform groups | unused | gen s | sync s | "
                   "switch s | optimize s | train/infer gap (mean / max) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
+        sources = sorted({s for p in phases for s in p.get("reward_by_source", {})})
+        if len(sources) > 1:
+            lines[-2] += " reward by source |"
+            lines[-1] += "---|"
         for p in phases:
             gap = (f"{p['logprob_gap_mean']:.2e} / {p['logprob_gap_max']:.2e}"
                    if "logprob_gap_mean" in p else "-")
@@ -53,7 +57,10 @@ def write_report(run_dir: Path) -> Path:
                          f"{p['reward_mean']:.3f} | {p['uniform_groups']} | "
                          f"{p.get('unused_frac', 0.0):.0%} | {p['generate_seconds']:.1f} | "
                          f"{p['sync_seconds']:.2f} | {p['switch_seconds']:.2f} | "
-                         f"{p['optimize_seconds']:.1f} | {gap} |")
+                         f"{p['optimize_seconds']:.1f} | {gap} |"
+                         + (" " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                            sorted(p.get("reward_by_source", {}).items())) + " |"
+                            if len(sources) > 1 else ""))
         tot = {k: sum(p[k] for p in phases) for k in
                ("generate_seconds", "score_seconds", "sync_seconds", "switch_seconds",
                 "optimize_seconds")}
@@ -68,6 +75,24 @@ def write_report(run_dir: Path) -> Path:
     out = run_dir / "report.md"
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+def _eval_rows(label: str, e: dict) -> list[str]:
+    """An eval record's table rows: each set, and each source of a set with several (a record of
+    a run before named sets has the first set's numbers only)."""
+    sets = e.get("sets") or {"held-out": {"samples": e["eval_k"], "prompts": e["eval_prompts"],
+                                          f"mean@{e['eval_k']}": e["eval_mean_at_k"],
+                                          f"pass@{e['eval_k']}": e["eval_pass_at_k"]}}
+    rows = []
+    for name, r in sets.items():
+        for sub, numbers in [(name, r), *((f"{name} / {src}", v)
+                                          for src, v in r.get("by_source", {}).items())]:
+            ks = sorted(int(k.split("@")[1]) for k in numbers if k.startswith("pass@"))
+            mean = numbers[f"mean@{ks[0]}"] if ks else float("nan")
+            rows.append(f"| {sub} | {label} | {numbers['samples']} | {numbers['prompts']} | "
+                        f"{mean:.3f} | " + ", ".join(f"@{k} {numbers[f'pass@{k}']:.3f}" for k in ks)
+                        + " |")
+    return rows
 
 
 def _plot(out_dir: Path, updates: list[dict], phases: list[dict]) -> list[Path]:

@@ -6,7 +6,9 @@ files and of the data files. A later start in the same directory compares its ow
 refuses any difference, listing each field, so that one run's persisted rollouts and checkpoints
 are never mixed with another model, tokenizer, data set, group size, chunking, seed or schedule.
 What is safe to change on resume (``SAFE_TO_CHANGE``: logging, the learner's layout, engine
-placement and memory, checkpoint cadence, reward workers) is left out of the fingerprint.
+placement and memory, checkpoint cadence, reward workers, held-out sampling) is left out of the
+fingerprint. A key added to the config after a run's record was written counts as unchanged
+while it holds its default.
 
 Each start's whole config is kept: ``config.yaml`` is the first, ``config.1.yaml``,
 ``config.2.yaml``... the starts after it; none is overwritten.
@@ -17,7 +19,7 @@ before anything is built: every rank proves that it sees rank 0's run directory 
 token there, every rank reads it back) and the same model and data files, and that all reached the
 same decision (new, resume, replace). Shards written by each replica's leader, the index rank 0
 writes and the checkpoints every rank writes only make one run if they land in one directory.
-``record_start`` writes, on rank 0 only.
+``replace_run`` and ``record_start`` write, on rank 0 only.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ SAFE_TO_CHANGE = (
     "rollout.weight_bucket_mb", "rollout.mismatch_check_samples", "rollout.shard_prompts",
     "rollout.max_inflight_prompts", "rollout.max_num_seqs", "reward.num_workers", "reward.batch_responses",
     "reward.timeout_s", "checkpoint.save_every_updates", "checkpoint.keep_last",
-    "checkpoint.resume", "checkpoint.export_hf", "model.recompute",
+    "checkpoint.resume", "checkpoint.export_hf", "model.recompute", "eval.",
 )
 """Config keys (or key prefixes) that a resumed run may change: how the work is laid out and
 logged, not what it computes. The distributed optimizer's sharding is checked when a checkpoint
@@ -61,11 +63,19 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
     model = Path(cfg.model.path)
     out["model.files_sha256"] = {name: _sha256(model / name) for name in _MODEL_FILES
                                  if (model / name).is_file()}
-    for key in ("data.path", "data.eval_path"):
-        path = out.get(key)
-        if path and Path(path).is_file():
-            out[f"{key}_sha256"] = _sha256(Path(path))
+    data = cfg.data
+    for key, paths in (("data.path", data.paths), ("data.eval_path", tuple(data.eval_sets.values()))):
+        hashes = [_sha256(Path(p)) if Path(p).is_file() else None for p in paths]
+        if any(hashes):  # one file's hash as before mixtures and named sets; several as a list
+            out[f"{key}_sha256"] = hashes[0] if len(hashes) == 1 else hashes
     return out
+
+
+def _added_since(key: str, value: Any) -> bool:
+    """Whether ``key`` is a config key added after a run's record was written, and ``value``
+    its default: no difference for a resume (the run ran with what the default does)."""
+    defaults = _flat(to_dict(Config()))
+    return key in defaults and defaults[key] == value
 
 
 def check(cfg: Config, *, overwrite: bool) -> str:
@@ -103,7 +113,8 @@ def check(cfg: Config, *, overwrite: bool) -> str:
                          f"checked for resume") from None
     now = fingerprint(cfg)
     diffs = [f"  {k}: the run has {saved.get(k, '(absent)')!r}, now {now.get(k, '(absent)')!r}"
-             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)
+             and not (k not in saved and _added_since(k, now[k]))]
     if diffs:
         raise ValueError(
             f"logging.run_dir: {run_dir} holds a run that differs from this config in what its "
@@ -197,12 +208,16 @@ def _read_token(path: Path, wait_s: float) -> str | None:
             time.sleep(0.5)
 
 
-def record_start(cfg: Config, action: str, world_size: int) -> None:
-    """Rank 0, after ``check``: replace the old directory (action 'replace'), write ``run.json``
-    for a new run, and keep this start's config beside the earlier ones."""
+def replace_run(cfg: Config) -> None:
+    """Rank 0, for a start that ``check`` found to be 'replace' (``--overwrite``), before it
+    writes anything there: the old directory moved aside and deleted."""
+    shutil.rmtree(move_aside(Path(cfg.logging.run_dir)))
+
+
+def record_start(cfg: Config, world_size: int) -> None:
+    """Rank 0, after ``check`` (and ``replace_run``): write ``run.json`` for a new run, and keep
+    this start's config beside the earlier ones."""
     run_dir = Path(cfg.logging.run_dir)
-    if action == "replace":
-        shutil.rmtree(move_aside(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / RUN_FILE).is_file():
         write_file(run_dir / RUN_FILE, json.dumps(

@@ -66,7 +66,10 @@ def test_parquet(tmp_path, tokenizer):
 BAD_ROWS = [
     ({"question": "What is 1?", "answer": "1"}, None),
     ({"answer": "2"}, "missing field 'question'"),
-    ({"question": ["a", "list"], "answer": "3"}, "field 'question' must be a string, got list"),
+    ({"question": ["a", "list"], "answer": "3"},
+     "field 'question', message 0: expected a {role, content} pair of strings, got 'a'"),
+    ({"question": 3, "answer": "3"}, "field 'question' must be a string or a list of {role, "
+                                     "content} messages, got int"),
     ({"question": "Q4", "answer": ""}, "field 'answer' is empty"),
     ({"question": "Q5"}, "missing field 'answer'"),
     ({"question": "Q6", "answer": {"x": 1}}, "field 'answer' must be a string or a number, got dict"),
@@ -75,7 +78,7 @@ BAD_ROWS = [
 ]
 
 
-@pytest.mark.parametrize("bad", range(1, 7))
+@pytest.mark.parametrize("bad", range(1, 8))
 def test_bad_row_error_names_file_and_row(tmp_path, tokenizer, bad):
     rows = [BAD_ROWS[0][0], BAD_ROWS[bad][0], BAD_ROWS[0][0]]
     path = write_jsonl(tmp_path / "train.jsonl", rows)
@@ -91,12 +94,12 @@ def test_bad_rows_skipped_and_counted(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "train.jsonl", [r for r, _ in BAD_ROWS])
     prompts, report = load_prompts(DataConfig(path=path, max_prompt_tokens=64, on_bad_row="skip"),
                                    tokenizer)
-    assert [p.index for p in prompts] == [0, 7] and prompts[1].answer == "8"
-    assert report.num_rows == 8 and report.num_kept == 2 and report.num_skipped == 6
-    assert report.skipped == {"missing prompt": 1, "wrong type": 2, "empty answer": 1,
-                              "missing answer": 1, "prompt too long": 1}
+    assert [p.index for p in prompts] == [0, 8] and prompts[1].answer == "8"
+    assert report.num_rows == 9 and report.num_kept == 2 and report.num_skipped == 7
+    assert report.skipped == {"missing prompt": 1, "bad message": 1, "wrong type": 2,
+                              "empty answer": 1, "missing answer": 1, "prompt too long": 1}
     assert "row 1 (line 2): missing field 'question'" in report.examples[0]
-    assert "6 rows" not in report.summary() and "2/8 rows kept" in report.summary()
+    assert "7 rows" not in report.summary() and "2/9 rows kept" in report.summary()
 
 
 def test_file_level_errors(tmp_path, tokenizer):

@@ -15,7 +15,7 @@ from mugrpo_megatron import outputs
 from mugrpo_megatron.__main__ import main
 from mugrpo_megatron.config.loader import load_config
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
-from mugrpo_megatron.run_dir import RUN_FILE, check, record_start
+from mugrpo_megatron.run_dir import RUN_FILE, check, record_start, replace_run
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_resume_checks_the_fingerprint_and_keeps_every_config(model, tmp_path):
     run = tmp_path / "run"
     cfg = config(model, run, "rollout.group_size=4")
     assert check(cfg, overwrite=False) == "new"
-    record_start(cfg, "new", 1)
+    record_start(cfg, 1)
     assert json.loads((run / RUN_FILE).read_text())["fingerprint"]["rollout.group_size"] == 4
     first = (run / "config.yaml").read_text()
     # the layout, logging and engine placement may change on resume
@@ -39,7 +39,7 @@ def test_resume_checks_the_fingerprint_and_keeps_every_config(model, tmp_path):
                    "rollout.tensor_parallel=2", "parallel.offload_learner=always",
                    "rollout.shard_prompts=3")
     assert check(moved, overwrite=False) == "resume"
-    record_start(moved, "resume", 2)
+    record_start(moved, 2)
     assert (run / "config.yaml").read_text() == first  # kept, not overwritten
     assert "tensor_parallel: 2" in (run / "config.1.yaml").read_text()
     # what the persisted rollouts depend on may not
@@ -82,7 +82,8 @@ def test_train_refuses_what_it_would_destroy_or_mix(model, tmp_path, capsys):
     assert rc == 2 and "model.path: not set" in err
     rc, err = train(f"model.path={tmp_path / 'nope'}", f"logging.run_dir={tmp_path / 'r'}")
     assert rc == 2 and "is not a directory" in err
-    record_start(config(model, foreign, "rollout.seed=1"), "replace", 1)
+    replace_run(config(model, foreign, "rollout.seed=1"))
+    record_start(config(model, foreign, "rollout.seed=1"), 1)
     assert sorted(p.name for p in foreign.iterdir()) == ["config.yaml", RUN_FILE]
     rc, err = train(f"model.path={model}", f"logging.run_dir={foreign}", "rollout.seed=2")
     assert rc == 2 and "rollout.seed: the run has 1, now 2" in err

@@ -14,9 +14,15 @@ from dataclasses import dataclass, field
 from mugrpo_megatron.config.algo import AlgoConfig
 from mugrpo_megatron.config.learner import ModelConfig, OptimConfig, ParallelConfig
 from mugrpo_megatron.config.rollout import RolloutConfig
-from mugrpo_megatron.config.run import CheckpointConfig, DataConfig, LoggingConfig, RewardConfig
+from mugrpo_megatron.config.run import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    LoggingConfig,
+    RewardConfig,
+)
 
-__all__ = ["AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "LoggingConfig",
+__all__ = ["AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "EvalConfig", "LoggingConfig",
            "ModelConfig", "OptimConfig", "ParallelConfig", "RewardConfig", "RolloutConfig"]
 
 
@@ -38,6 +44,8 @@ class Config:
     """Training and held-out prompts."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """How responses are scored."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """How the held-out sets are sampled and reported."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Saving, resuming and exporting."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -48,7 +56,39 @@ class Config:
         """The longest sequence a phase can hold: the longest prompt and the longest response."""
         return self.data.max_prompt_tokens + self.rollout.max_new_tokens
 
+    @property
+    def eval_max_new_tokens(self) -> int:
+        """The longest held-out response (``eval.max_new_tokens``, or a rollout's)."""
+        return self.eval.max_new_tokens or self.rollout.max_new_tokens
+
+    @property
+    def engine_max_len(self) -> int:
+        """The longest sequence an engine serves: a phase's, or a held-out one's."""
+        return self.data.max_prompt_tokens + max(self.rollout.max_new_tokens,
+                                                 self.eval_max_new_tokens)
+
+    @property
+    def loss_agg_norm(self) -> float:
+        """The constant of ``algo.loss_agg: seq-mean-token-sum-norm``: ``algo.loss_agg_norm``,
+        or the response-length limit."""
+        return self.algo.loss_agg_norm or float(self.rollout.max_new_tokens)
+
     def __post_init__(self) -> None:
+        sets = self.data.eval_sets
+        for name in self.eval.samples_by_set:
+            if name not in sets:
+                raise ValueError(f"eval.samples_by_set.{name}: no held-out set of that name "
+                                 f"(data.eval_path's sets: {', '.join(sets) or 'none'})")
+        most = max([self.eval.samples_for(n) for n in sets] or [self.eval.samples])
+        for k in self.eval.pass_k:
+            if k > most:
+                raise ValueError(f"eval.pass_k: {k} is more than any held-out set samples a "
+                                 f"prompt ({most}: eval.samples, eval.samples_by_set)")
+        if self.algo.overlong_buffer_tokens >= self.rollout.max_new_tokens:
+            raise ValueError(f"algo.overlong_buffer_tokens: {self.algo.overlong_buffer_tokens} "
+                             f"must be below rollout.max_new_tokens "
+                             f"({self.rollout.max_new_tokens}): the punishment starts that many "
+                             f"tokens before the limit")
         pack = self.parallel.pack_tokens
         if pack != "auto" and 0 < pack < self.max_sequence_tokens:
             raise ValueError(f"parallel.pack_tokens: {pack} tokens cannot hold the longest "

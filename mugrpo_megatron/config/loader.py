@@ -48,7 +48,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def _parse_value(text: str) -> Any:
     """A scalar from YAML (numbers, true/false, null); text that YAML reads as a mapping or list
-    ("Example: 2 + 3") is kept as the string it is, since overrides set single keys."""
+    ("Example: 2 + 3") is kept as the string it is here, and read as YAML again only by a key
+    whose type is a list or mapping (``--set data.path=[a.parquet,b.parquet]``)."""
     if not text.strip():
         return ""
     try:
@@ -72,7 +73,10 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
 RENAMED = {"model.recompute_activations": "model.recompute: none, selective or full (true was "
                                           "full, false none)",
            "algo.drop_uniform_groups": "algo.uniform_groups: keep, drop or drop_once (true was "
-                                       "drop, false keep)"}
+                                       "drop, false keep)",
+           "rollout.eval_samples": "eval.samples (the held-out sets' sampling is in the eval "
+                                   "section: samples, temperature, top_p, max_new_tokens, "
+                                   "pass_k)"}
 """Keys of earlier releases, and what a config now says instead."""
 
 
@@ -99,12 +103,50 @@ def from_dict(cls: type, raw: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def _as_container(value: Any, kind: type, key: str) -> Any:
+    """A list or mapping for a key of that type: as YAML gave it, or YAML in a string (an
+    override on the command line)."""
+    if isinstance(value, str):
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = None
+        if isinstance(parsed, kind):
+            return parsed
+    if not isinstance(value, kind):
+        what = "a list, e.g. [a, b]" if kind is list else "a mapping, e.g. {key: value}"
+        raise ValueError(f"{key}: must be {what}, got {value!r}")
+    return value
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if tp is Any:  # a JSON scalar (template options): what YAML gave, if it is one
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            raise ValueError(f"{key}: must be a string, number, true/false, got {value!r}")
+        return value
+    if origin is tuple:  # tuple[X, ...]: a list of X
+        items = _as_container(value, list, key)
+        return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(items))
+    if origin is dict:  # dict[str, X]
+        items = _as_container(value, dict, key)
+        out = {}
+        for k, v in items.items():
+            if not isinstance(k, str) or not k:
+                raise ValueError(f"{key}: keys must be non-empty strings, got {k!r}")
+            out[k] = _coerce(v, args[1], f"{key}.{k}")
+        return out
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if isinstance(value, str) and any(typing.get_origin(a) in (tuple, dict) for a in args):
+            try:  # an override's list or mapping, as YAML ("[a.parquet, b.parquet]")
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                parsed = None
+            if isinstance(parsed, (list, dict)):
+                value = parsed
         errors = []
         for arg in args:
             if arg is type(None):
@@ -146,8 +188,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as plain data (for YAML dumps and run records)."""
-    return dataclasses.asdict(cfg)
+    """The config as plain data (for YAML dumps and run records): lists for tuples, as YAML and
+    JSON read them back."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(cfg))
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -60,8 +60,6 @@ class RolloutConfig(Section):
     finished group's place, and a share of 1.25 x 10^5 requests (10^6 responses, 8 replicas) is
     not held in the scheduler as Python objects. SGLang has no step API here: it takes windows
     of this many (0: rollout.shard_prompts), each waiting for its slowest response."""
-    eval_samples: int = 1
-    """Responses per held-out prompt in evaluation (k of mean@k and pass@k); 1 decodes greedily."""
     start_timeout_minutes: float = 30.0
     """Timeout of the collectives an engine's start runs across ranks (vLLM with placement spmd:
     making its process groups over the job's ranks, and a MIN all-reduce of every rank's free
@@ -80,8 +78,7 @@ class RolloutConfig(Section):
 
     def __post_init__(self) -> None:
         self._positive("tensor_parallel", "group_size", "max_new_tokens", "cpu_kv_cache_gib",
-                       "start_timeout_minutes", "weight_bucket_mb", "shard_prompts",
-                       "eval_samples")
+                       "start_timeout_minutes", "weight_bucket_mb", "shard_prompts")
         self._non_negative("mismatch_check_samples", "max_inflight_prompts", "max_num_seqs")
         if not 0 < self.temperature:
             self._fail("temperature", "must be > 0")

@@ -2,62 +2,137 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import Any, ClassVar, Literal
 
 from mugrpo_megatron.config.section import Section
+
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a chat-message prompt's messages may have."""
+MIXTURE_BLOCK = 4096
+"""Prompts a mixture with ``data.weights`` lays out at a time (``phase.schedule``): every file's
+share is exact to one prompt at each block's end, so none may be below 1 / this."""
 
 
 @dataclass(frozen=True)
 class DataConfig(Section):
     _name: ClassVar[str] = "data"
 
-    path: str = "builtin:arithmetic"
-    """Training prompts: a local .jsonl/.json/.parquet file, a hub dataset id, or
-    'builtin:arithmetic' for the offline seeded arithmetic task."""
+    path: str | tuple[str, ...] = "builtin:arithmetic"
+    """Training prompts: a local .jsonl/.json/.parquet file, a hub dataset id,
+    'builtin:arithmetic' for the offline seeded arithmetic task, or a list of them: a mixture
+    (verl data.train_files; NeMo-RL data mixtures). Every prompt keeps its source (source_field)
+    and the run draws from the files by their weights."""
+    weights: tuple[float, ...] | None = None
+    """With several paths, each one's share of the prompts drawn over the run (any positive
+    numbers, normalised; each at least 1/4096 of them): files are cycled through, each
+    reshuffled at every pass over it, so a small file weighted high repeats sooner. null: in
+    proportion to their sizes (one shuffle of all their prompts per pass, as one file)."""
     split: str = "train"
     """Split to read from a hub dataset."""
     prompt_field: str = "question"
-    """Column holding the prompt text."""
+    """Column holding the prompt: a string, or a list of {role, content} chat messages (verl's
+    parquet 'prompt' column, HF chat datasets; verl data.prompt_key, slime --input-key), which go
+    through the tokenizer's chat template as given. A dotted path reads a nested field."""
     answer_field: str = "answer"
-    """Column holding the reference answer."""
+    """Column holding the reference answer the reward checks against; a dotted path reads a
+    nested field, e.g. reward_model.ground_truth (verl's layout; slime --label-key)."""
+    source_field: str = "data_source"
+    """Column holding each row's source (verl's data_source): what reward.by_source routes on
+    and the phase and held-out numbers are split by. A row without it takes its file's stem
+    (the hub id's last part; 'arithmetic' for the builtin task)."""
+    metadata_fields: tuple[str, ...] = ()
+    """Columns (dotted paths allowed) given to a reward function that takes ``metadata``, as a
+    dict of their values (JSON), e.g. [extra_info] (verl's extra_info; slime --metadata-key).
+    Kept beside each prompt in the run's prompt file (the JSON's bytes a prompt: ~100 MB at
+    10^6 prompts of 100 bytes)."""
     max_prompt_tokens: int = 512
     """Longest prompt after the chat template, in tokens."""
     on_bad_row: Literal["error", "skip"] = "error"
     """What a malformed row does: stop loading with an error naming file and row, or be skipped and
     counted."""
     chat_template: bool = True
-    """Wrap each prompt in the tokenizer's chat template as a user turn."""
+    """Wrap each prompt in the tokenizer's chat template (a string prompt as one user message).
+    Message prompts need it."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options passed to the tokenizer's apply_chat_template, in training, evaluation, the eval
+    command and the prompts the rollouts viewer shows alike, e.g. {enable_thinking: false} for
+    Qwen3 (verl data.apply_chat_template_kwargs). Part of the run's fingerprint."""
     system_prompt: str | None = None
-    """System message put before each prompt when the chat template is used."""
+    """System message put before each prompt when the chat template is used (message prompts:
+    only where they have no system message)."""
     prompt_template: str = "{prompt}"
-    """Text sent for each prompt, with '{prompt}' replaced by the dataset's prompt (other braces
-    are kept as they are): e.g. a few worked examples before it for a base model."""
+    """Text sent for each string prompt, with '{prompt}' replaced by the dataset's prompt (other
+    braces are kept as they are): e.g. a few worked examples before it for a base model. Message
+    prompts are used as given."""
     instruction: str = "Put your final answer within \\boxed{}."
-    """Appended to each prompt so the reward finds an explicit answer anchor; '' to leave prompts as
-    they are."""
+    """Appended to each prompt (a message prompt's last user message) so the reward finds an
+    explicit answer anchor; '' to leave prompts as they are."""
     num_arithmetic_problems: int = 2000
     """Problems generated for 'builtin:arithmetic'."""
     arithmetic_max_operand: int = 50
     """Largest operand of a generated arithmetic problem."""
-    eval_path: str | None = None
-    """Held-out prompts for evaluation (same formats as path); 'builtin:arithmetic' draws a
-    disjoint seeded set."""
+    eval_path: str | tuple[str, ...] | dict[str, str] | None = None
+    """Held-out prompts for evaluation (same formats as path; 'builtin:arithmetic' draws a
+    disjoint seeded set): one, a list (each named by its file's stem) or a mapping {name: path}
+    of named sets (verl data.val_files), each evaluated and reported on its own."""
     eval_size: int = 64
-    """Held-out prompts scored before and after training."""
+    """Held-out prompts scored of each set, before and after training (its first ones)."""
     seed: int = 0
     """Seed of the arithmetic generator."""
 
     def __post_init__(self) -> None:
-        if not self.path:
-            self._fail("path", "must name a file, a hub id or builtin:arithmetic")
-        for key in ("prompt_field", "answer_field"):
+        if not self.paths or not all(self.paths):
+            self._fail("path", "must name a file, a hub id or builtin:arithmetic (or a list)")
+        for key in ("prompt_field", "answer_field", "source_field"):
             if not getattr(self, key):
                 self._fail(key, "must be a non-empty column name")
+        if any(not f for f in self.metadata_fields):
+            self._fail("metadata_fields", "must be non-empty column names")
+        if self.weights is not None:
+            if len(self.weights) != len(self.paths):
+                self._fail("weights", f"must have one number per data.path ({len(self.paths)})")
+            if not all(w > 0 for w in self.weights):
+                self._fail("weights", "must all be > 0")
+            if min(self.weights) / sum(self.weights) < 1 / MIXTURE_BLOCK:
+                self._fail("weights", f"give every file at least 1/{MIXTURE_BLOCK} of the draws")
+        if isinstance(self.eval_path, tuple) and not self.eval_path:
+            self._fail("eval_path", "must name at least one set (or be null)")
         if "{prompt}" not in self.prompt_template:
             self._fail("prompt_template", "must contain '{prompt}'")
         self._positive("max_prompt_tokens", "num_arithmetic_problems", "arithmetic_max_operand")
         self._non_negative("eval_size")
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """``path`` as a tuple (one item for one path)."""
+        return (self.path,) if isinstance(self.path, str) else self.path
+
+    @property
+    def eval_sets(self) -> dict[str, str]:
+        """The held-out sets by name: a mapping's own names, else each path's stem (made unique
+        with its position where two share one); empty without ``eval_path``."""
+        if self.eval_path is None:
+            return {}
+        if isinstance(self.eval_path, dict):
+            return dict(self.eval_path)
+        paths = (self.eval_path,) if isinstance(self.eval_path, str) else self.eval_path
+        names = [source_name(p) for p in paths]
+        return {(n if names.count(n) == 1 else f"{n}_{i}"): p
+                for i, (n, p) in enumerate(zip(names, paths))}
+
+
+def source_name(path: str) -> str:
+    """The source a file's rows take when they have no source column: its stem ('train' for
+    'data/train.parquet', the last part of a hub id, 'arithmetic' for the builtin task)."""
+    if path.startswith("builtin:"):
+        return path.split(":", 1)[1]
+    name = PurePath(path.rstrip("/")).name
+    for suffix in (".jsonl", ".json", ".parquet"):
+        if name.lower().endswith(suffix):
+            return name[:-len(suffix)]
+    return name
 
 
 @dataclass(frozen=True)
@@ -65,8 +140,16 @@ class RewardConfig(Section):
     _name: ClassVar[str] = "reward"
 
     name: str = "math"
-    """A registered reward ('math') or a dotted path 'package.module:function' to a function
-    (completion: str, answer: str) -> float."""
+    """A registered reward ('math', 'math_dapo') or a path 'package.module:function' to a
+    function (completion: str, answer: str) -> float, which may also take keyword parameters
+    ``prompt`` (the prompt as rendered), ``source`` and ``metadata`` (a dict of
+    data.metadata_fields): verl's compute_score(data_source, solution_str, ground_truth,
+    extra_info) by other names. The signature is read once; a required parameter the scorer
+    cannot give is an error before the run starts."""
+    by_source: dict[str, str] = field(default_factory=dict)
+    """Rewards by source (data.source_field): {source: name or module:function}, as verl routes
+    its default_compute_score by data_source; sources not listed use reward.name. Every routed
+    function runs under the same timeouts, retries and checks of its return value."""
     timeout_s: float = 10.0
     """Hard wall-clock limit for scoring one response; past it the worker is killed and the
     response scores 0."""
@@ -86,6 +169,10 @@ class RewardConfig(Section):
     def __post_init__(self) -> None:
         if not self.name:
             self._fail("name", "must be a registered name or a dotted path")
+        for source, name in self.by_source.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"reward.by_source.{source}: must be a registered name or a "
+                                 f"dotted path, got {name!r}")
         self._positive("timeout_s", "num_workers", "batch_responses", "max_answer_chars",
                        "max_abs_reward")
 
@@ -143,3 +230,45 @@ class LoggingConfig(Section):
         if not self.run_dir:
             self._fail("run_dir", "must be a directory path")
         self._non_negative("eval_every_updates", "run_dir_wait_s")
+
+
+@dataclass(frozen=True)
+class EvalConfig(Section):
+    _name: ClassVar[str] = "eval"
+
+    samples: int = 1
+    """Responses per held-out prompt (verl val_kwargs.n): 1 decodes greedily unless a
+    temperature is given; k > 1 samples k, for pass@k and mean@k."""
+    samples_by_set: dict[str, int] = field(default_factory=dict)
+    """Responses per prompt for named held-out sets that need more than ``samples`` (e.g.
+    {aime24: 32} beside MATH-500 at 1); the others take ``samples``."""
+    temperature: float | None = None
+    """Sampling temperature (verl val_kwargs.temperature); null: greedy at 1 sample,
+    rollout.temperature at more."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (verl val_kwargs.top_p)."""
+    max_new_tokens: int | None = None
+    """Longest held-out response; null: rollout.max_new_tokens."""
+    pass_k: tuple[int, ...] = ()
+    """The k of pass@k and mean@k reported for each set with at least k samples a prompt;
+    pass@k by the unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k) from n
+    samples with c correct (a reward of at least 1), mean@k the mean reward of k samples (the
+    same in expectation for every k: the set's mean reward). (): k = 1 and k = n."""
+
+    def __post_init__(self) -> None:
+        self._positive("samples", "top_p")
+        if self.top_p > 1:
+            self._fail("top_p", "must be in (0, 1]")
+        if self.temperature is not None and self.temperature < 0:
+            self._fail("temperature", "must be >= 0 (0 decodes greedily) or null")
+        if self.max_new_tokens is not None:
+            self._positive("max_new_tokens")
+        if any(k < 1 for k in self.pass_k):
+            self._fail("pass_k", "must be positive integers")
+        for name, n in self.samples_by_set.items():
+            if not n >= 1:
+                raise ValueError(f"eval.samples_by_set.{name}: must be >= 1, got {n!r}")
+
+    def samples_for(self, name: str) -> int:
+        """Responses a prompt of held-out set ``name`` gets."""
+        return self.samples_by_set.get(name, self.samples)

@@ -9,10 +9,13 @@ from mugrpo_megatron.data.loading import (
     Tokenizer,
     gold_answer,
     iter_prompt_chunks,
+    load_eval_sets,
     load_prompts,
+    render_prompts,
     tokenize_prompt,
     tokenize_prompts,
 )
 
 __all__ = ["BUILTIN_ARITHMETIC", "CHUNK_ROWS", "BadRow", "PromptChunk", "Tokenizer", "gold_answer",
-           "iter_prompt_chunks", "load_prompts", "tokenize_prompt", "tokenize_prompts"]
+           "iter_prompt_chunks", "load_eval_sets", "load_prompts", "render_prompts",
+           "tokenize_prompt", "tokenize_prompts"]

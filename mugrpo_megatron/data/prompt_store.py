@@ -4,11 +4,16 @@ read by every rank a prompt at a time.
 ::
 
     run_dir/prompts/train_<key>.arrow   Arrow IPC, uncompressed, record batches of ~BATCH_ROWS
-                                        prompts: source row (int64), prompt text, gold answer,
-                                        token ids (list<int32>: offsets, flat values)
-    run_dir/prompts/train_<key>.json    written last: the prompt count and the load report (rows
-                                        read, skipped and why); its presence means the file is
-                                        complete
+                                        prompts: source row (int64), the prompt as rendered, gold
+                                        answer, token ids (list<int32>: offsets, flat values),
+                                        source (int32, into the record's sources), metadata (the
+                                        row's data.metadata_fields as JSON, '' without)
+    run_dir/prompts/train_<key>.json    written last: the prompt count, each file's, the sources
+                                        and the load report (rows read, skipped and why); its
+                                        presence means the file is complete
+
+A mixture (``data.path`` a list) is one file: each path's kept prompts in turn, in
+``data.path`` order; the record says how many each has, for the scheduler's mixture draw.
 
 ``key`` hashes what the token ids depend on (``prompt_key``): every ``data.`` key of the run's
 fingerprint (file, fields, template, chat template, limits, the data file's content hash), the
@@ -26,7 +31,8 @@ phases read their way through it; a map would (each page fault maps the pages ar
 ``phase.store`` measured for shards).
 
 What grows with what, at 10^6 prompts of 300 tokens: on disk ~1.2 GB of token ids plus the texts
-and answers, once per run directory; in each rank ~100 bytes a batch (122 batches); at start-up,
+(as rendered: ~1.2 KB a prompt), answers, 4 B of source and the metadata's JSON (100 MB at 100
+bytes a prompt), once per run directory; in each rank ~100 bytes a batch (122 batches); at start-up,
 rank 0's time to tokenize (the other 63 ranks tokenize nothing) and on rank 0 one chunk of
 prompts as Python objects (1024 x 300 tokens: ~45 MB with the tokenizer's own) and one batch as
 Arrow arrays (~10 MB). Before, every rank tokenized the whole set and held every prompt as a tuple
@@ -55,12 +61,14 @@ from mugrpo_megatron.data import CHUNK_ROWS, PromptChunk, Tokenizer, iter_prompt
 from mugrpo_megatron.distributed import on_rank0, world
 from mugrpo_megatron.types import LoadReport, Prompt
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: sources, metadata and the rendered prompt (1: the dataset's prompt text)."""
 BATCH_ROWS = 8192
 """Prompts a record batch holds (about): opening a file reads each batch's header, and every
 page it touches maps the pages around it (~64 KB), so batches stay few (122 at 10^6 prompts)."""
 SCHEMA = pa.schema([("row", pa.int64()), ("text", pa.string()), ("answer", pa.string()),
-                    ("token_ids", pa.list_(pa.int32()))])
+                    ("token_ids", pa.list_(pa.int32())), ("source", pa.int32()),
+                    ("metadata", pa.string())])
 
 
 def prompt_key(cfg: Config) -> str:
@@ -84,10 +92,12 @@ def prompt_paths(run_dir: Path, key: str) -> tuple[Path, Path]:
 
 
 def open_prompt_set(cfg: Config, run_dir: Path, tokenizer: Tokenizer,
-                    note: Callable[[str], None] = lambda _: None, bar=None) -> PromptSet:
+                    note: Callable[[str], None] = lambda _: None, bar=None,
+                    other_sources: Sequence[str] = ()) -> PromptSet:
     """The run's training prompts (collective: every rank calls it): rank 0 tokenizes the data
     set into the run directory unless a complete file for this data and tokenizer is there
-    already; every rank then opens it. ``note`` and ``bar(desc, total)`` report on rank 0."""
+    already; every rank then opens it. ``note`` and ``bar(desc, total)`` report on rank 0.
+    ``other_sources``: the held-out sets', which ``reward.by_source`` may name too."""
     key = prompt_key(cfg) if world()[0] == 0 else ""
     path, done = prompt_paths(run_dir, key)
 
@@ -95,49 +105,76 @@ def open_prompt_set(cfg: Config, run_dir: Path, tokenizer: Tokenizer,
         if done.is_file():
             note(f"prompts: reusing {path}")
         else:
-            write_prompt_file(cfg, tokenizer, path, done, bar)
+            write_prompt_file(cfg, tokenizer, path, done, bar, other_sources=other_sources)
         return str(path)
 
     return PromptSet(Path(on_rank0(build)))  # rank 0's path (its key) on every rank
 
 
 def write_prompt_file(cfg: Config, tokenizer: Tokenizer, path: Path, done: Path, bar=None,
-                      chunk_rows: int = CHUNK_ROWS, batch_rows: int = BATCH_ROWS) -> LoadReport:
-    """Stream the training set through ``iter_prompt_chunks`` (``chunk_rows`` rows tokenized at
-    a time) into ``path``, in record batches of about ``batch_rows`` prompts (written beside it,
-    fsynced, renamed: ``arrow_files.AtomicFile``), then ``done``. Holds one chunk as Python
-    objects and one batch as Arrow arrays (~5 bytes a token)."""
+                      chunk_rows: int = CHUNK_ROWS, batch_rows: int = BATCH_ROWS,
+                      other_sources: Sequence[str] = ()) -> LoadReport:
+    """Stream every ``data.path`` through ``iter_prompt_chunks`` (``chunk_rows`` rows tokenized
+    at a time) into ``path``, in record batches of about ``batch_rows`` prompts (written beside
+    it, fsynced, renamed: ``arrow_files.AtomicFile``), then ``done``. Holds one chunk as Python
+    objects and one batch as Arrow arrays (~5 bytes a token). ValueError, and nothing written,
+    for a bad row or a ``reward.by_source`` key that neither these files nor ``other_sources``
+    (the held-out sets') yield."""
+    made = [d for d in (path.parent, *path.parents) if not d.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
-    report = LoadReport(source="(none)")
+    total = LoadReport(source=", ".join(cfg.data.paths))
     progress = bar("tokenizing the training prompts", None) if bar is not None else None
-    kept, held = 0, []
+    kept, held, sources = [], [], {}
     try:
         with AtomicFile(path, SCHEMA, "prompt set") as out:
-            for chunk in iter_prompt_chunks(cfg.data, tokenizer, report, chunk_rows=chunk_rows):
-                if len(chunk):
-                    held.append(_record_batch(chunk))
-                kept += len(chunk)
-                if sum(b.num_rows for b in held) >= batch_rows:
-                    out.write(pa.Table.from_batches(held).combine_chunks())
-                    held = []
-                if progress is not None:
-                    progress.update(len(chunk))
+            for file in cfg.data.paths:
+                report = LoadReport(source="(none)")
+                kept.append(0)
+                for chunk in iter_prompt_chunks(cfg.data, tokenizer, report, path=file,
+                                                chunk_rows=chunk_rows):
+                    if len(chunk):
+                        held.append(_record_batch(chunk, sources))
+                    kept[-1] += len(chunk)
+                    if sum(b.num_rows for b in held) >= batch_rows:
+                        out.write(pa.Table.from_batches(held).combine_chunks())
+                        held = []
+                    if progress is not None:
+                        progress.update(len(chunk))
+                total.add(report)
             if held:
                 out.write(pa.Table.from_batches(held).combine_chunks())
+            check_routes(cfg, [*sources, *other_sources])
         with outputs.guard(done, "prompt set", kept=outputs.KEPT, then=outputs.RESUME):
-            outputs.write_file(done, json.dumps({"num_prompts": kept,
-                                                 "report": asdict(report)}, indent=1))
+            outputs.write_file(done, json.dumps({
+                "num_prompts": sum(kept), "file_prompts": kept, "sources": list(sources),
+                "report": asdict(total)}, indent=1))
+    except BaseException:
+        for d in made:  # deepest first: what this call made, so a failed start leaves nothing
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise
     finally:
         if progress is not None:
             progress.close()
-    return report
+    return total
 
 
-def _record_batch(c: PromptChunk) -> pa.RecordBatch:
+def check_routes(cfg: Config, sources: Sequence[str]) -> None:
+    """ValueError naming a ``reward.by_source`` key that no data file yields (a typo would
+    otherwise score its prompts with reward.name, silently)."""
+    for key in cfg.reward.by_source:
+        if key not in sources:
+            raise ValueError(f"reward.by_source.{key}: no prompt has that source; the data "
+                             f"files' sources are {sorted(set(sources))} (data.source_field "
+                             f"{cfg.data.source_field!r}, else each file's stem)")
+
+
+def _record_batch(c: PromptChunk, sources: dict[str, int]) -> pa.RecordBatch:
+    codes = [sources.setdefault(name, len(sources)) for name in c.sources]
     return pa.record_batch([
         pa.array(c.rows, pa.int64()), pa.array(c.texts, pa.string()),
-        pa.array(c.answers, pa.string()), list_column(c.token_ids, np.int32, pa.int32())],
-        schema=SCHEMA)
+        pa.array(c.answers, pa.string()), list_column(c.token_ids, np.int32, pa.int32()),
+        pa.array(codes, pa.int32()), pa.array(c.metadata, pa.string())], schema=SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -153,6 +190,9 @@ class _Batch:
     answer: int
     ids_offsets: int
     ids: int
+    source: int
+    metadata_offsets: int
+    metadata: int
 
 
 class PromptSet(Sequence[Prompt]):
@@ -165,6 +205,10 @@ class PromptSet(Sequence[Prompt]):
             meta = json.loads(self.path.with_suffix(".json").read_text())
             self.report = LoadReport(**meta["report"])
             self._len = int(meta["num_prompts"])
+            self.file_sizes: tuple[int, ...] = tuple(meta["file_prompts"])
+            """Kept prompts of each ``data.path`` file, in order (a mixture's draw)."""
+            self.sources: list[str] = list(meta["sources"])
+            """Every source of the set, by the code its prompts store."""
             self._batches = _locate_batches(self.path, self._len)
             self._firsts = [b.first for b in self._batches]
         except (OSError, ValueError, KeyError, TypeError, pa.ArrowInvalid) as e:
@@ -198,10 +242,13 @@ class PromptSet(Sequence[Prompt]):
             return [self[j] for j in range(*i.indices(self._len))]
         batch, r = self._where(int(i))
         (row,) = struct.unpack("<q", os.pread(self._fd, 8, batch.row + 8 * r))
-        return Prompt(index=row,
-                      text=self._bytes(batch.text_offsets, batch.text, r, 1).decode("utf-8"),
-                      answer=self._bytes(batch.answer_offsets, batch.answer, r, 1).decode("utf-8"),
-                      token_ids=tuple(self.token_ids(int(i)).tolist()))
+        (source,) = struct.unpack("<i", os.pread(self._fd, 4, batch.source + 4 * r))
+        text = lambda at, data: self._bytes(at, data, r, 1).decode("utf-8")  # noqa: E731
+        return Prompt(index=row, text=text(batch.text_offsets, batch.text),
+                      answer=text(batch.answer_offsets, batch.answer),
+                      token_ids=tuple(self.token_ids(int(i)).tolist()),
+                      source=self.sources[source],
+                      metadata=text(batch.metadata_offsets, batch.metadata))
 
     def __iter__(self) -> Iterator[Prompt]:
         return (self[i] for i in range(self._len))
@@ -241,12 +288,13 @@ def _locate_batches(path: Path, num_prompts: int) -> list[_Batch]:
             b = reader.get_batch(k)
             if not b.num_rows or any(c.null_count or c.offset for c in b.columns):
                 raise ValueError(f"batch {k} is empty or holds nulls")
-            row, text, answer, ids = b.columns
+            row, text, answer, ids, source, metadata = b.columns
             out.append(_Batch(
                 first=total, row=at(row.buffers()[1]), text_offsets=at(text.buffers()[1]),
                 text=at(text.buffers()[2]), answer_offsets=at(answer.buffers()[1]),
                 answer=at(answer.buffers()[2]), ids_offsets=at(ids.buffers()[1]),
-                ids=at(ids.values.buffers()[1])))
+                ids=at(ids.values.buffers()[1]), source=at(source.buffers()[1]),
+                metadata_offsets=at(metadata.buffers()[1]), metadata=at(metadata.buffers()[2])))
             total += b.num_rows
     if total != num_prompts:
         raise ValueError(f"{total} prompts, the record says {num_prompts}")

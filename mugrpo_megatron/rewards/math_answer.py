@@ -73,4 +73,18 @@ def math_reward(completion: str, answer: str, max_answer_chars: int = 1000) -> f
     return 1.0 if verify(gold, pred, timeout_seconds=_PARSE_TIMEOUT_S) else 0.0
 
 
-math_reward.takes_max_answer_chars = True  # type: ignore[attr-defined]
+
+
+_ANSWER_LINE = re.compile(r"(?im)^\s*answer\s*:\s*(.+?)\s*$")
+
+
+def dapo_math_reward(completion: str, answer: str, max_answer_chars: int = 1000) -> float:
+    """DAPO-Math's answer format (DAPO-Math-17k's prompts ask for it: "The last line of your
+    response should be of the form Answer: $Answer"): the last ``Answer: ...`` line, else a
+    ``\\boxed{}``, checked by math-verify as ``math_reward`` does. 1.0 or 0.0 (verl's
+    ``math_dapo.compute_score`` gives +1 / -1 and compares normalised strings; with std-normalised
+    advantages the two scales train alike)."""
+    lines = _ANSWER_LINE.findall(completion)
+    if lines:
+        return math_reward(f"\\boxed{{{lines[-1].strip().strip('$')}}}", answer, max_answer_chars)
+    return math_reward(completion, answer, max_answer_chars)

@@ -1,4 +1,6 @@
-"""The scorer: reward functions (``registry``) run in a killable process pool.
+"""The scorer: reward functions (``registry``) run in a killable process pool, each response
+routed to its source's function (``reward.by_source``, else ``reward.name``) with what of its row
+the function takes (``RewardSpec``: the prompt as rendered, the source, the metadata).
 
 Each response is scored under a hard wall-clock limit: pebble's ``ProcessPool`` kills a worker that
 overruns and starts a fresh one, so an adversarial completion costs at most ``timeout_s`` and scores
@@ -12,6 +14,7 @@ cannot stop a running task.
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import numbers
@@ -22,7 +25,33 @@ from dataclasses import dataclass, field
 from pebble import ProcessExpired, ProcessPool
 
 from mugrpo_megatron.config import RewardConfig
-from mugrpo_megatron.rewards.registry import RewardFn, resolve_reward, reward_path
+from mugrpo_megatron.rewards.registry import RewardFn, RewardSpec, resolve_reward
+
+
+@dataclass(frozen=True)
+class RowInfo:
+    """What a reward function may read of a response's prompt and row, besides the answer."""
+
+    source: str = ""
+    prompt: str = ""
+    """The prompt as rendered (the text of the token ids the engine was given)."""
+    metadata: str = ""
+    """The row's ``data.metadata_fields`` as a JSON object ('' without any)."""
+
+
+def reward_specs(cfg: RewardConfig) -> tuple[list[RewardSpec], dict[str, int]]:
+    """``reward.name``'s spec first, then each distinct ``reward.by_source`` function's, and
+    which of them each routed source uses: every function imported and its signature checked
+    here, in the parent, so a bad one stops the run before it starts."""
+    specs = [RewardSpec.of(cfg.name)]
+    index = {cfg.name: 0}
+    route = {}
+    for source, name in cfg.by_source.items():
+        if name not in index:
+            index[name] = len(specs)
+            specs.append(RewardSpec.of(name, key=f"reward.by_source.{source}"))
+        route[source] = index[name]
+    return specs, route
 
 
 @dataclass
@@ -47,29 +76,47 @@ class RewardScorer:
 
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg
-        resolve_reward(cfg.name)  # fail now, in the parent, with a clear message
-        self._path = reward_path(cfg.name)
+        self.specs, self.route = reward_specs(cfg)  # fail now, in the parent, with a clear message
         # spawn: the parent may hold threads (torch, the engine) that make fork unsafe.
         self._pool = ProcessPool(max_workers=cfg.num_workers,
                                  context=multiprocessing.get_context("spawn"))
 
     def score(self, completions: Sequence[str], answers: Sequence[str],
+              rows: Sequence[RowInfo] | None = None,
               on_done: Callable[[int], None] | None = None) -> RewardOutcome:
         """Score and wait: ``submit(...).result()``."""
-        return self.submit(completions, answers).result(on_done)
+        return self.submit(completions, answers, rows).result(on_done)
 
-    def submit(self, completions: Sequence[str], answers: Sequence[str]) -> PendingScores:
+    def submit(self, completions: Sequence[str], answers: Sequence[str],
+               rows: Sequence[RowInfo] | None = None) -> PendingScores:
         """Queue the responses on the workers, ``reward.batch_responses`` a task, and return at
-        once: the caller (an engine replica's leader) goes on generating while they are scored."""
+        once: the caller (an engine replica's leader) goes on generating while they are scored.
+        ``rows``: each response's prompt, source and metadata (None: no row, as for a plain
+        completion and answer), which routes it and is given to a function that takes it."""
         if len(completions) != len(answers):
             raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
+        if rows is not None and len(rows) != len(answers):
+            raise ValueError(f"{len(answers)} answers but {len(rows)} rows")
+        items = [self._item(c, a, rows[i] if rows is not None else None)
+                 for i, (c, a) in enumerate(zip(completions, answers))]
         k = self.cfg.batch_responses
-        batches = [(list(completions[i:i + k]), list(answers[i:i + k]))
-                   for i in range(0, len(completions), k)]
-        return PendingScores(self, [(c, a, self._schedule(c, a)) for c, a in batches])
+        return PendingScores(self, [(batch, self._schedule(batch)) for batch in
+                                    (items[i:i + k] for i in range(0, len(items), k))])
 
-    def _schedule(self, completions: list[str], answers: list[str]):
-        return self._pool.schedule(_score_batch, args=(self._path, completions, answers,
+    def _item(self, completion: str, answer: str, row: RowInfo | None) -> tuple:
+        """One response as a worker scores it: its function and arguments, only what the
+        function takes of its row travelling with it."""
+        spec = self.route.get(row.source, 0) if row is not None else 0
+        takes = self.specs[spec].takes
+        extra = {}
+        if row is not None:
+            extra = {k: getattr(row, k) for k in ("prompt", "source", "metadata") if k in takes}
+        elif "source" in takes:
+            extra["source"] = ""
+        return spec, completion, answer, extra
+
+    def _schedule(self, items: list[tuple]):
+        return self._pool.schedule(_score_batch, args=(self.specs, items,
                                                        self.cfg.max_answer_chars),
                                    timeout=self.cfg.timeout_s)
 
@@ -106,22 +153,21 @@ class PendingScores:
     def __init__(self, scorer: RewardScorer, batches: list):
         self._scorer = scorer
         self._batches = batches
-        """(completions, answers, future of the batch's per-response outcomes)."""
+        """(the batch's items, future of its per-response outcomes)."""
 
     def done(self) -> bool:
-        return all(f.done() for *_, f in self._batches)
+        return all(f.done() for _, f in self._batches)
 
     def result(self, on_done: Callable[[int], None] | None = None) -> RewardOutcome:
         scorer = self._scorer
         out = RewardOutcome(rewards=[])
-        for completions, answers, fut in self._batches:
+        for items, fut in self._batches:
             try:
                 outcomes = fut.result()
             except (Exception, ProcessExpired):  # noqa: BLE001 - a timeout, or a dead worker
                 # the batch ran past timeout_s or its worker died: score each response alone,
                 # under its own limit, to find the one at fault and keep the others' rewards
-                outcomes = [self._alone(scorer._schedule([c], [a])) for c, a in
-                            zip(completions, answers)]
+                outcomes = [self._alone(scorer._schedule([item])) for item in items]
             for ok, value in outcomes:
                 i = len(out.rewards)
                 out.rewards.append(0.0)
@@ -155,24 +201,29 @@ class PendingScores:
 _FN_CACHE: dict[str, RewardFn] = {}
 
 
-def _score_batch(path: str, completions: list[str], answers: list[str], max_answer_chars: int
+def _score_batch(specs: list[RewardSpec], items: list[tuple], max_answer_chars: int
                  ) -> list[tuple[str, object]]:
     """Runs in a worker: ("ok", value) or ("error", "Type: message") per response, so one
     response's exception costs only its own reward."""
     out: list[tuple[str, object]] = []
-    for c, a in zip(completions, answers):
+    for spec, completion, answer, extra in items:
         try:
-            out.append(("ok", _call_by_path(path, c, a, max_answer_chars)))
+            out.append(("ok", _call(specs[spec], completion, answer, extra, max_answer_chars)))
         except Exception as e:  # noqa: BLE001 - reported per response
             out.append(("error", f"{type(e).__name__}: {str(e)[:200]}"))
     return out
 
 
-def _call_by_path(path: str, completion: str, answer: str, max_answer_chars: int) -> float:
-    """Runs in a worker: import the reward once per process, then call it."""
-    fn = _FN_CACHE.get(path)
+def _call(spec: RewardSpec, completion: str, answer: str, extra: dict,
+          max_answer_chars: int) -> float:
+    """Runs in a worker: import the reward once per process, then call it with what it takes
+    (the metadata decoded from its JSON)."""
+    fn = _FN_CACHE.get(spec.path)
     if fn is None:
-        fn = _FN_CACHE[path] = resolve_reward(path)
-    if getattr(fn, "takes_max_answer_chars", False):
-        return fn(completion, answer, max_answer_chars=max_answer_chars)  # type: ignore[call-arg]
-    return fn(completion, answer)
+        fn = _FN_CACHE[spec.path] = resolve_reward(spec.path)
+    kwargs = dict(extra)
+    if "metadata" in kwargs:
+        kwargs["metadata"] = json.loads(kwargs["metadata"]) if kwargs["metadata"] else {}
+    if "max_answer_chars" in spec.takes:
+        kwargs["max_answer_chars"] = max_answer_chars
+    return fn(completion, answer, **kwargs)
