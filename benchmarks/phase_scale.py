@@ -127,7 +127,8 @@ def new_path(rank: int, world: int, size: int, work: Path, args) -> dict:
     from mugrpo_megatron.config import RewardConfig
     from mugrpo_megatron.engines.fleet import share
     from mugrpo_megatron.phase.data import PhaseData
-    from mugrpo_megatron.phase.generation import ReplicaCounts, ShardWriter, pending_positions
+    from mugrpo_megatron.phase.generation import ReplicaCounts, ShardWriter
+    from mugrpo_megatron.phase.refill import PENDING, position_states
     from mugrpo_megatron.phase.store import Advantages, finalize
     from mugrpo_megatron.rewards import RewardScorer
 
@@ -136,14 +137,13 @@ def new_path(rank: int, world: int, size: int, work: Path, args) -> dict:
     directory = work / f"phase_{size}"
     prompts = prompts_for(num_groups)
     t0 = time.perf_counter()
-    pending = pending_positions(directory, num_groups)
+    pending = np.flatnonzero(position_states(directory, num_groups, G, None) == PENDING)
     mine = pending[share(len(pending), rank, world)]
     counts = ReplicaCounts()
     rng = np.random.default_rng(1000 + rank)
     cfg = RewardConfig(name="phase_scale:digit_parity_reward", num_workers=1, batch_responses=64)
     with RewardScorer(cfg) as scorer:
-        writer = ShardWriter(directory, scorer, tok, prompts, tuple(range(num_groups)),
-                             SHARD_PROMPTS, counts)
+        writer = ShardWriter(directory, scorer, tok, prompts, int, SHARD_PROMPTS, counts)
         for pos in mine:
             writer.add(int(pos), synthetic_group(rng, len(tok)))
         writer.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ from mugrpo_megatron.phase import (
     PhaseEnd,
     PhaseRecord,
     PhaseScheduler,
+    Refill,
     ScheduleState,
     check_packing,
     generate_phase,
@@ -256,9 +258,12 @@ class Trainer:
         writes shards as groups finish, and rank 0 indexes the phase (``generate_phase``)."""
         t0 = time.perf_counter()
         try:
+            a = self.cfg.algo
+            refill = Refill(a.max_refill_rounds) if a.uniform_groups == "refill" else None
             counts = generate_phase(self.engines, directory, phase, self.cfg.rollout,
                                     self.prompts, self.scorer, self.tokenizer, self.progress,
-                                    Advantages.of(self.cfg))
+                                    Advantages.of(self.cfg), refill,
+                                    partial(self.schedule.prompt_index, phase))
         except GenerationFailed as e:
             raise RunFailed(f"phase {phase.index}: generation failed ({e}). Kept: every shard "
                             f"written in {directory}; resume by running again.") from None
@@ -312,7 +317,7 @@ class Trainer:
         rec.passes, rec.unused_frac = data.passes, data.unused_frac
         rec.unused_generate_seconds = rec.generate_seconds * data.unused_frac
         self.state.ended.append(PhaseEnd(phase.index, phase.first_update, done, rec.end,
-                                         phase.num_prompts))
+                                         data.positions_used))
         self.state.drift_window = []
         self.save(phase.first_update + done, phase.index)
 

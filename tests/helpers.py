@@ -3,6 +3,7 @@ spawned gloo worlds."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -128,3 +129,78 @@ def gloo_world(rank: int, ranks: int, directory: str | Path, minutes: float = 60
 
     dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank,
                             world_size=ranks, timeout=datetime.timedelta(minutes=minutes))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun's workers start sessions of their own, so killing
+    the launcher's process group alone would leave them running)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a run and everything it started, at once, as a crash or an OOM killer would."""
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def train_command(sets: dict, ranks: int = 1) -> list[str]:
+    """``python -m mugrpo_megatron train --set ...``: in one process, or under torchrun."""
+    if ranks > 1:
+        return cli_under_torchrun(ranks, "train", *set_args(sets))
+    return [sys.executable, "-m", "mugrpo_megatron", "train", *set_args(sets)]
+
+
+def launch(cmd: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own (so it can be killed whole), its output appended to
+    ``log_path``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
+    with open(log_path, "a") as log:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def run_until_done(cmd: list[str], log_path: Path, expect: int = 0, env: dict | None = None,
+                   timeout: int = 900) -> str:
+    """Run ``cmd`` to its end; AssertionError with the log's tail unless its exit code is
+    ``expect``. Returns the log."""
+    proc = launch(cmd, log_path, env)
+    try:
+        code = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    assert code == expect, log_path.read_text()[-6000:]
+    return log_path.read_text()
+
+
+def kill_when_ready(cmd: list[str], log_path: Path, ready, timeout: int = 600) -> None:
+    """Start ``cmd`` and SIGKILL it and everything it started as soon as ``ready()`` holds."""
+    import time
+
+    proc = launch(cmd, log_path)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready():
+            assert proc.poll() is None, "the run ended before the kill point:\n" + \
+                log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "kill point never reached"
+            time.sleep(0.02)
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()

@@ -29,3 +29,27 @@ def echo_reward(completion: str, answer: str):
     import ast
 
     return float(completion) if completion.endswith("inf") else ast.literal_eval(completion)
+
+
+def _digits(completion: str) -> float:
+    time.sleep(0.15)  # slow enough that a test can kill a run while it scores
+    return float(sum(ch.isdigit() for ch in completion) >= 2)
+
+
+def row_reading_reward(completion: str, answer: str, *, prompt: str, metadata: dict) -> float:
+    """Reads its row: the prompt as rendered (-1 unless the chat template's thinking-off marker
+    is in it: data.chat_template_kwargs reached the template) and the row's metadata (its
+    extra_info.scale scales the reward)."""
+    if "<think>\n\n</think>" not in prompt:
+        return -1.0
+    return metadata["extra_info"]["scale"] * _digits(completion)
+
+
+def source_reward(completion: str, answer: str, *, source: str) -> float:
+    """Takes the source by name: 0.25 a point on the source it is routed to, -1 elsewhere."""
+    return 0.25 * _digits(completion) if source == "mixB" else -1.0
+
+
+def needs_units(completion: str, answer: str, units: str) -> float:
+    """A parameter the scorer cannot give (for the error it must raise)."""
+    return 0.0

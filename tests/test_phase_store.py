@@ -140,7 +140,8 @@ def test_writer_scores_beside_generation(tmp_path):
     counts = ReplicaCounts()
     cfg = RewardConfig(name="math", num_workers=2)
     with RewardScorer(cfg) as scorer:
-        writer = ShardWriter(tmp_path / "p", scorer, tok, prompts, (2, 0, 1), 2, counts)
+        writer = ShardWriter(tmp_path / "p", scorer, tok, prompts, (2, 0, 1).__getitem__, 2,
+                             counts)
         for pos in (1, 0, 2):  # completion order
             ids = tuple(tok(texts[(2, 0, 1)[pos]])["input_ids"])
             writer.add(pos, [Generation(ids, (-0.1,) * len(ids), "stop")] * G)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, cli_under_torchrun, records, set_args
+from helpers import ROOT, cli_under_torchrun, descendants, kill_tree, records, set_args
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 from mugrpo_megatron.phase.data import PhaseData
@@ -69,34 +69,6 @@ def kill_when(hf, run_dir, ready, timeout=600, extra=None):
             time.sleep(0.02)
         kill_tree(proc.pid)
         proc.wait()
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun's workers start sessions of their own, so killing
-    the launcher's process group alone would leave them running)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a run and everything it started, at once, as a crash or an OOM killer would."""
-    for p in [pid, *descendants(pid)]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def phase_samples(run_dir, phase):

@@ -114,6 +114,9 @@ class EngineFleet:
         """Whether the engines' sleep drops their weights: rank 0's engine's (every placement
         puts one there), the same on every rank, since every rank must then sync."""
         self.memory = "awake"
+        self._replica_group = None
+        """This rank's replica's group, where a replica spans several ranks (spmd, TP > 1)."""
+        self._replica_leader = 0
         """What the engines hold in accelerator memory: 'awake' (weights and KV cache), 'weights'
         (woken for a sync only) or 'asleep' (neither), as sleep() and wake() left them; kept on
         every device, so that the order of transitions is checked on CPU too."""
@@ -152,6 +155,14 @@ class EngineFleet:
             raise
         fleet = cls(engine, cfg, where)
         fleet.has_weights = load_weights
+        if where.kind == "spmd" and where.tensor_parallel > 1:
+            # one small gloo group a replica, for what its leader tells its other ranks
+            # (``replica_agree``); every rank makes every group, in order, as torch requires
+            for r in range(where.replicas):
+                ranks = list(range(r * where.tensor_parallel, (r + 1) * where.tensor_parallel))
+                group = dist.new_group(ranks, backend="gloo")
+                if r == fleet.replica:
+                    fleet._replica_group, fleet._replica_leader = group, ranks[0]
         return fleet
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
@@ -199,6 +210,18 @@ class EngineFleet:
             return iter(())
         return self.engine.generate_stream(prompts, sampling, positions=positions,
                                            max_in_flight=self.queued)
+
+    def replica_agree(self, value: int) -> int:
+        """The replica leader's ``value`` on every rank of its replica (not collective over the
+        job: one broadcast inside a replica that spans several ranks, nothing otherwise); 0 on a
+        rank without an engine, which streams nothing."""
+        if self.engine is None:
+            return 0
+        if self._replica_group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self._replica_leader, group=self._replica_group)
+        return int(box[0])
 
     def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]
                        ) -> WeightSyncStats | None:

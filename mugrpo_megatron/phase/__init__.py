@@ -26,6 +26,7 @@ from mugrpo_megatron.phase.checks import (
 from mugrpo_megatron.phase.data import PhaseData
 from mugrpo_megatron.phase.generation import GenerationFailed, generate_phase
 from mugrpo_megatron.phase.record import PhaseRecord
+from mugrpo_megatron.phase.refill import Refill
 from mugrpo_megatron.phase.schedule import (
     DriftBound,
     Phase,
@@ -36,6 +37,6 @@ from mugrpo_megatron.phase.schedule import (
 from mugrpo_megatron.phase.store import Advantages, is_generated, phase_dir, record_plan
 
 __all__ = ["Advantages", "DriftBound", "GenerationFailed", "LogprobGap", "Phase", "PhaseData",
-           "PhaseEnd", "PhaseRecord", "PhaseScheduler", "ScheduleState", "check_packing",
+           "PhaseEnd", "PhaseRecord", "PhaseScheduler", "Refill", "ScheduleState", "check_packing",
            "generate_phase", "is_generated", "mismatch_gap", "phase_dir", "record_plan",
            "score_behaviour", "score_reference"]

@@ -230,6 +230,12 @@ class PhaseData:
         return self.num_samples // self.group_size
 
     @property
+    def positions_used(self) -> int:
+        """Prompt positions of the run's stream the phase used: past its last group (refill's
+        groups go beyond its planned prompts)."""
+        return int(self.group.max()) + 1 if len(self.group) else self.planned_groups
+
+    @property
     def num_uniform_groups(self) -> int:
         return int(self.uniform.sum()) // self.group_size
 
@@ -315,6 +321,7 @@ class PhaseData:
                "reward_by_source": by_source,
                "num_samples": self.num_samples, "num_train_samples": len(self.train_rows),
                "groups": self.num_groups, "planned_groups": self.planned_groups,
+               "prompts_used": self.positions_used,
                "uniform_groups": self.num_uniform_groups,
                "uniform_group_frac": float(self.uniform.sum()) / n,
                "response_len": float(self.response_len.mean()),

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -43,14 +43,16 @@ from mugrpo_megatron.data.prompt_store import PromptSet
 from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.engines.fleet import EngineFleet, share
 from mugrpo_megatron.phase.record import PhaseRecord
-from mugrpo_megatron.phase.schedule import Phase
-from mugrpo_megatron.phase.store import (
-    Advantages,
-    ScoredGroup,
-    finalize,
-    persisted_groups,
-    write_shard,
+from mugrpo_megatron.phase.refill import (
+    PENDING,
+    Refill,
+    RefillPlan,
+    extension,
+    position_states,
+    targets,
 )
+from mugrpo_megatron.phase.schedule import Phase
+from mugrpo_megatron.phase.store import Advantages, ScoredGroup, finalize, write_shard
 from mugrpo_megatron.rewards import PendingScores, RewardScorer, RowInfo
 from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
 
@@ -64,19 +66,6 @@ def phase_seed(seed: int, phase: int) -> int:
     return (seed * 1_000_003 + phase * 10_007) % 2**31 * 2**31
 
 
-def pending_positions(directory: Path, num_groups: int) -> np.ndarray:
-    """Positions of the phase's groups not yet on disk, the same on every rank (collective)."""
-    done = torch.zeros(num_groups, dtype=torch.uint8)
-    if dist.get_rank() == 0:
-        for tmp in directory.glob(".shard_*.arrow.tmp"):  # a shard a kill caught half-written
-            tmp.unlink()
-        done = torch.from_numpy(persisted_groups(directory, num_groups).astype(np.uint8))
-    if dist.get_world_size() > 1:
-        done = done.to(distributed.device())
-        dist.broadcast(done, src=0)
-    return np.flatnonzero(done.cpu().numpy() == 0)
-
-
 @dataclass
 class ReplicaCounts:
     """What one replica did in a phase (summed over replicas at the end)."""
@@ -87,6 +76,12 @@ class ReplicaCounts:
     reward_timeouts: int = 0
     reward_errors: int = 0
     shards: int = 0
+    informative: int = 0
+    """Groups whose rewards differ (counted by the leader as their scores came in)."""
+    refill_groups: int = 0
+    """Groups generated past the phase's planned prompts (``uniform_groups: refill``)."""
+    refill_rounds: int = 0
+    """Refill rounds this replica made (the most over the replicas, not summed)."""
     score_wait_seconds: float = 0.0
     """Rank 0's leader, blocked on its reward pool (not summed)."""
     messages: list[str] = field(default_factory=list)
@@ -96,7 +91,7 @@ class ReplicaCounts:
 
     def totals(self) -> list[int]:
         return [self.groups, self.responses, self.tokens, self.reward_timeouts,
-                self.reward_errors, self.shards]
+                self.reward_errors, self.shards, self.informative, self.refill_groups]
 
     def record(self, rec: PhaseRecord, seconds: float) -> None:
         """Put the numbers of a generation that took ``seconds`` into the phase's record."""
@@ -104,6 +99,7 @@ class ReplicaCounts:
         rec.score_seconds = self.score_wait_seconds
         rec.reward_timeouts, rec.reward_errors = self.reward_timeouts, self.reward_errors
         rec.generated_groups, rec.rollout_shards = self.groups, self.shards
+        rec.refill_groups, rec.refill_rounds = self.refill_groups, self.refill_rounds
         rec.inflight_prompts = self.queued
         rec.generate_tokens_per_s = self.tokens / seconds if seconds else None
 
@@ -115,35 +111,64 @@ class GenerationFailed(RuntimeError):
 
 def generate_phase(fleet: EngineFleet, directory: Path, phase: Phase, r: RolloutConfig,
                    prompts: PromptSet, scorer: RewardScorer | None, tokenizer, progress,
-                   advantages: Advantages) -> ReplicaCounts:
+                   advantages: Advantages, refill: Refill | None = None,
+                   index_of: Callable[[int], int] | None = None) -> ReplicaCounts:
     """The protocol of this module's docstring, on every rank, collective at its two ends: this
     rank's replica streams its share of the groups not yet on disk (``fleet.stream``: the
     prompts read from ``prompts`` as they enter the engine), its leader scores and writes shards
     as groups finish, the ranks agree on how it went and sum their counts, and rank 0 indexes
-    the phase. Returns the counts summed over the replicas; ``GenerationFailed`` on every rank
-    when any replica failed."""
-    pending = pending_positions(directory, len(phase.prompt_indices))
+    the phase. With ``refill`` each replica then generates from further prompts (``refill``'s
+    module docstring); ``index_of(position)``: the prompt set's index of the phase's prompt at
+    ``position`` (past the planned ones too). Returns the counts summed over the replicas
+    (refill rounds: the most); ``GenerationFailed`` on every rank when any replica failed."""
+    planned = len(phase.prompt_indices)
+    index_of = index_of or phase.prompt_indices.__getitem__
+    state = position_states(directory, refill.cap(planned) if refill else planned,
+                            r.group_size, advantages if refill else None)
+    pending = np.flatnonzero(state[:planned] == PENDING)
     mine = pending[share(len(pending), fleet.replica, fleet.num_replicas)]
     counts = ReplicaCounts(queued=fleet.queued)
     fleet.check_has_weights()
     bar = progress.bar(f"phase {phase.index} generate (replica {fleet.replica} of "
                        f"{fleet.num_replicas})", total=len(mine))
+    sampling = sampling_for_phase(r, phase.index)
     with distributed.agreed(GenerationFailed) as failure:
-        writer = ShardWriter(directory, scorer, tokenizer, prompts, phase.prompt_indices,
-                             r.shard_prompts, counts) if fleet.is_leader else None
-        for i, gens in fleet.stream(prompts.ids_view([phase.prompt_indices[p] for p in mine]),
-                                    sampling_for_phase(r, phase.index), positions=mine.tolist()):
-            if writer is not None and not failure.error:
-                # a failed write does not stop the engine: the other ranks of this replica's
-                # tensor-parallel group step with it until the share is done
-                with failure.kept("writing rollouts: "):
-                    writer.add(int(mine[i]), gens)
-            bar.update(1)
+        writer = ShardWriter(directory, scorer, tokenizer, prompts, index_of, r.shard_prompts,
+                             counts, advantages) if fleet.is_leader else None
+
+        def stream(positions: list[int]) -> None:
+            for i, gens in fleet.stream(prompts.ids_view([index_of(p) for p in positions]),
+                                        sampling, positions=positions):
+                if writer is not None and not failure.error:
+                    # a failed write does not stop the engine: the other ranks of this
+                    # replica's tensor-parallel group step with it until the share is done
+                    with failure.kept("writing rollouts: "):
+                        writer.add(positions[i], gens)
+                bar.update(1)
+
+        stream(mine.tolist())
+        if refill is not None:
+            more = extension(planned, state, fleet.replica, fleet.num_replicas)
+            plan = RefillPlan(targets(planned, state, fleet.num_replicas)[fleet.replica],
+                              refill.max_rounds)
+            while True:
+                size = 0
+                if writer is not None and not failure.error:
+                    with failure.kept("writing rollouts: "):
+                        writer.drain()  # every group of the share scored: the deficit is known
+                        size = plan.next_round(counts.informative, counts.groups, len(more))
+                size = fleet.replica_agree(size)  # the replica's ranks queue the same prompts
+                if not size:
+                    break
+                batch, more = more[:size], more[size:]
+                counts.refill_groups += len(batch)
+                stream(batch)
+            counts.refill_rounds = plan.rounds
         if writer is not None and not failure.error:
             writer.close()
     bar.close()
     total = sum_counts(counts)
-    on_rank0(finalize, directory, len(phase.prompt_indices), r.group_size, advantages)
+    on_rank0(finalize, directory, planned, r.group_size, advantages)
     return total
 
 
@@ -152,12 +177,16 @@ class ShardWriter:
     and write each shard once its scores are in."""
 
     def __init__(self, directory: Path, scorer: RewardScorer, tokenizer, prompts: Sequence[Prompt],
-                 prompt_indices: tuple[int, ...], shard_prompts: int, counts: ReplicaCounts):
+                 index_of: Callable[[int], int], shard_prompts: int, counts: ReplicaCounts,
+                 advantages: Advantages | None = None):
         self.directory = directory
         self.scorer = scorer
         self.tokenizer = tokenizer
         self.prompts = prompts
-        self.prompt_indices = prompt_indices
+        self.index_of = index_of
+        """The prompt set's index of the phase's prompt at a position."""
+        self.advantages = advantages or Advantages()
+        """How rewards are shaped, for counting the informative groups."""
         self.shard_prompts = shard_prompts
         self.counts = counts
         self._open: list[tuple[ScoredGroup, list[str], Prompt]] = []
@@ -166,7 +195,7 @@ class ShardWriter:
     def add(self, position: int, gens: list[Generation]) -> None:
         """Take one finished group: its texts for the reward, its tokens as numpy arrays (the
         engine's tuples of Python numbers, ~70 bytes a token, go at once)."""
-        prompt = self.prompts[self.prompt_indices[position]]
+        prompt = self.prompts[self.index_of(position)]
         texts = self.tokenizer.batch_decode([list(g.token_ids) for g in gens],
                                             skip_special_tokens=True)
         self._open.append((ScoredGroup.of(position, prompt.index, prompt.token_ids, gens, [],
@@ -177,12 +206,16 @@ class ShardWriter:
             self._submit()
         self._write_scored(wait=len(self._scoring) > _MAX_PENDING_SHARDS)
 
-    def close(self) -> None:
-        """Score and write what is left (waits)."""
+    def drain(self) -> None:
+        """Score and write every group taken so far (waits)."""
         if self._open:
             self._submit()
         while self._scoring:
             self._write_scored(wait=True)
+
+    def close(self) -> None:
+        """Score and write what is left (waits)."""
+        self.drain()
 
     def _submit(self) -> None:
         groups, self._open = self._open, []
@@ -203,20 +236,28 @@ class ShardWriter:
             self.counts.reward_errors += outcome.num_errors
             self.counts.messages += outcome.errors[:max(0, 5 - len(self.counts.messages))]
             rewards = iter(outcome.rewards)
-            write_shard(self.directory, [replace(g, rewards=[next(rewards) for _ in g.responses])
-                                         for g in groups])
+            scored = [replace(g, rewards=[next(rewards) for _ in g.responses]) for g in groups]
+            write_shard(self.directory, scored)
+            self.counts.informative += int(self.advantages.informative(
+                np.concatenate([g.rewards for g in scored]),
+                np.concatenate([[len(x) for x in g.responses] for g in scored]),
+                len(scored[0].responses)).sum())
             self.counts.groups += len(groups)
             self.counts.shards += 1
             wait = False  # one shard per call when back-pressure asked for it
 
 
 def sum_counts(counts: ReplicaCounts) -> ReplicaCounts:
-    """Every replica's counts, summed on every rank (one small all-reduce). Only leaders count."""
+    """Every replica's counts, summed on every rank (two small all-reduces: the sums, and the
+    most refill rounds). Only leaders count."""
     t = torch.tensor(counts.totals(), dtype=torch.int64, device=distributed.device())
+    rounds = torch.tensor([counts.refill_rounds], dtype=torch.int64, device=distributed.device())
     if dist.get_world_size() > 1:
         dist.all_reduce(t)
-    return ReplicaCounts(*t.cpu().tolist(), score_wait_seconds=counts.score_wait_seconds,
-                         messages=counts.messages, queued=counts.queued)
+        dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
+    return ReplicaCounts(*t.cpu().tolist(), refill_rounds=int(rounds.item()),
+                         score_wait_seconds=counts.score_wait_seconds, messages=counts.messages,
+                         queued=counts.queued)
 
 
 def sampling_for_phase(r, phase_index: int) -> SamplingSpec:

@@ -40,6 +40,11 @@ class PhaseRecord:
     """Rank 0's replica leader, blocked on its reward pool."""
     generate_tokens_per_s: float | None = None
     generated_groups: int = 0
+    """Groups this start generated (a resumed phase: only those not on disk)."""
+    refill_groups: int = 0
+    """Of them, past the phase's planned prompts (``uniform_groups: refill``)."""
+    refill_rounds: int = 0
+    """Refill rounds, the most any replica made."""
     rollout_shards: int = 0
     reward_timeouts: int = 0
     reward_errors: int = 0

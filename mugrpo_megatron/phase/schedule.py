@@ -205,6 +205,13 @@ class PhaseScheduler:
             prompts.append(int(perms[data_epoch][offset]))
         return tuple(prompts)
 
+    def prompt_index(self, phase: Phase, position: int) -> int:
+        """The prompt set's index of ``phase``'s prompt at ``position``: one of its planned
+        prompts, or past them (``uniform_groups: refill``) the run's next ones."""
+        if position < phase.num_prompts:
+            return phase.prompt_indices[position]
+        return self._prompts(phase.prompt_start + position, 1)[0]
+
     def update_size(self, num_samples: int, once: bool, quantum: int = 1,
                     phase: Phase | None = None) -> int:
         """Samples an update takes: ``samples_per_update`` (all of them when the phase has fewer),
@@ -355,7 +362,10 @@ def describe_schedule(cfg: Config) -> str:
                      f"fraction) times that over the rest once uniform groups are dropped",
              "drop_once": f"uniform groups dropped, then {min(made, 1.0):.2f} passes over the "
                           f"rest in updates of (1 - the uniform fraction) x "
-                          f"{a.samples_per_update}"}[a.uniform_groups]
+                          f"{a.samples_per_update}",
+             "refill": f"uniform groups dropped and refilled from further prompts (at most "
+                       f"{a.max_refill_rounds} rounds), so {made:.2f} passes over informative "
+                       f"groups"}[a.uniform_groups]
     phases = (f"{a.num_phases} phases x mu={a.updates_per_phase} updates = {a.total_updates} "
               f"updates and {a.num_phases} weight syncs")
     if a.max_drift is not None:
