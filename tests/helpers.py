@@ -204,3 +204,25 @@ def kill_when_ready(cmd: list[str], log_path: Path, ready, timeout: int = 600) -
     finally:
         kill_tree(proc.pid)
         proc.wait()
+
+
+def eos_prone(hf_dir: Path, strength: float = 0.5) -> Path:
+    """Make a tiny random checkpoint end some of its responses: its output row of the EOS token
+    turned toward the mean of its last hidden states, so that EOS is likely after some contexts
+    (about 4% a token on average at 0.5: ~40% of 12-token responses stop). Random tiny models
+    otherwise run to the length limit almost always."""
+    import json as _json
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    eos = _json.loads((Path(hf_dir) / "generation_config.json").read_text())["eos_token_id"]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        h = model(torch.randint(3, model.config.vocab_size - 3, (16, 40), generator=g),
+                  output_hidden_states=True).hidden_states[-1].reshape(-1, model.config.hidden_size)
+    mean = h.mean(0)
+    weights = load_file(str(Path(hf_dir) / "model.safetensors"))
+    weights["lm_head.weight"][eos] = strength * 5 * mean / mean.norm() ** 2
+    save_file(weights, str(Path(hf_dir) / "model.safetensors"), metadata={"format": "pt"})
+    return Path(hf_dir)
