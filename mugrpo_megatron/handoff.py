@@ -17,7 +17,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from mugrpo_megatron import distributed
+from mugrpo_megatron.config import RolloutConfig
 from mugrpo_megatron.engines.fleet import EngineFailed, EngineFleet
 from mugrpo_megatron.learner.export import iter_hf_tensors
 from mugrpo_megatron.learner.learner import Learner
@@ -26,13 +29,32 @@ from mugrpo_megatron.outputs import RunFailed
 from mugrpo_megatron.phase import PhaseRecord
 
 
+def engine_sharded(rollout: RolloutConfig, learner: Learner) -> bool:
+    """Whether each rank's engine keeps exactly its learner rank's TP shards, so a sync need not
+    gather them (``export.iter_hf_tensors(engine_sharded=True)``): vLLM placed spmd (every rank an
+    engine TP rank, replica groups of consecutive ranks: engine TP rank = rank mod TP) at the
+    learner's TP size, and megatron's TP rank the same on every rank (its default order puts TP
+    fastest). The last is checked on every rank and agreed on (one MIN all-reduce, at start):
+    the stream is collective, so every rank takes the same path."""
+    tp = learner.layout.tp_size
+    if not (rollout.spmd and rollout.tensor_parallel == tp > 1):
+        return False
+    rank, _ = distributed.world()
+    ok = torch.tensor(int(learner.layout.tp_rank == rank % tp), device=distributed.device())
+    if dist.get_world_size() > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
 class Handoff:
     def __init__(self, learner: Learner, offload: bool, bucket_bytes: int, log: MetricsLogger,
-                 rank0: bool, ckpt_dir: Path):
+                 rank0: bool, ckpt_dir: Path, sharded: bool = False):
         self.learner = learner
         self.offload = offload
         """Whether the learner goes to host memory while the engines work
         (``parallel.offload_learner``)."""
+        self.sharded = sharded
+        """Whether a sync streams each rank its own shards (``engine_sharded``)."""
         self.bucket_bytes = bucket_bytes
         self.log, self.rank0, self.ckpt_dir = log, rank0, ckpt_dir
         self.engines: EngineFleet | None = None
@@ -79,7 +101,7 @@ class Handoff:
             self.learner.offload(keep_weights=True)
         self.engines.wake(weights_only=True)  # a sleeping engine has no weights to update
         stream = iter_hf_tensors(self.learner.chunks(), self.learner.spec,
-                                 bucket_bytes=self.bucket_bytes)
+                                 bucket_bytes=self.bucket_bytes, engine_sharded=self.sharded)
         try:
             self.engines.update_weights(stream)
         except EngineFailed as e:

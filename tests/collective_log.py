@@ -17,6 +17,7 @@ megatron's amax-reduction group after every grad-enabled forward of a transforme
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 
@@ -83,7 +84,10 @@ class CollectiveLog:
                     group = a
         shapes = [] if name.endswith("_object") or name == "broadcast_object_list" else \
             [s for s in (_shape(a) for a in (*args, *kwargs.values())) if s is not None]
-        self.calls.setdefault(group_key(group), []).append([name, shapes])
+        entry = [name, shapes]
+        if name == "broadcast":  # its root (a global rank): who sends what the others receive
+            entry.append(kwargs.get("src", args[1] if len(args) > 1 else None))
+        self.calls.setdefault(group_key(group), []).append(entry)
 
     def _wrap_batch(self, fn):
         def recorded(p2p_ops):
@@ -190,3 +194,51 @@ def te_amax_emulation(learner, tp_only_amax_red: bool = False):
     finally:
         for h in hooks:
             h.remove()
+
+
+def bytes_moved(log: dict, rank: int) -> tuple[int, int]:
+    """(sent, received) bytes of rank ``rank``'s log (``{"calls": ..., "p2p": ...}``), by the
+    ring algorithms NCCL runs: an all-gather of s bytes a rank over n ranks sends and receives
+    (n - 1) s; a broadcast of S bytes: its root sends S, every other rank receives S; an
+    all-reduce of S bytes: 2 (n - 1) / n S each way, a reduce-scatter half that; point-to-point:
+    what was sent and received. Object collectives (pickles of a few small records here) are not
+    counted."""
+    sent = received = 0
+    for key, calls in log["calls"].items():
+        n = len(key.split(":")[1].split(","))
+        for name, shapes, *root in calls:
+            if not shapes or n == 1:
+                continue
+            sizes = [_nbytes(x) for x in shapes]
+            if name in ("all_gather", "_all_gather_base", "all_gather_into_tensor"):
+                out = (n - 1) * min(sizes)  # the input (the output is n times it)
+                sent, received = sent + out, received + out
+            elif name == "broadcast":
+                if root[0] == rank:
+                    sent += sizes[0]
+                else:
+                    received += sizes[0]
+            elif name == "all_reduce":
+                out = 2 * (n - 1) * sizes[0] // n
+                sent, received = sent + out, received + out
+            elif name in ("reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter"):
+                out = (n - 1) * max(sizes) // n
+                sent, received = sent + out, received + out
+    for key, shapes in log["p2p"].items():
+        total = sum(_nbytes(x) for x in shapes)
+        if key.endswith(":send"):
+            sent += total
+        else:
+            received += total
+    return sent, received
+
+
+_ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
+             "uint8": 1, "bool": 1, "int8": 1}
+
+
+def _nbytes(shape) -> int:
+    """Bytes of a recorded ``[dims, dtype]``, or of a list of them (a tensor list)."""
+    if len(shape) == 2 and isinstance(shape[1], str):
+        return math.prod(shape[0]) * _ITEMSIZE.get(shape[1], 4)
+    return sum(_nbytes(x) for x in shape)

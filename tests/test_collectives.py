@@ -16,7 +16,7 @@ all-reduce); here, with parallel.timeout_minutes = 1, that is a gloo timeout wit
 import json
 
 import pytest
-from collective_log import mismatches
+from collective_log import bytes_moved, mismatches
 from helpers import ROOT, torchrun
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
@@ -66,11 +66,11 @@ def results(tmp_path_factory):
 def test_every_group_member_issues_the_same_collectives(results, ranks, job):
     got = results[ranks, job]
     assert set(got["steps"]) == {"update_packed", "update_padded", "score_packed",
-                                 "score_padded", "export"}
+                                 "score_padded", "export", "export_sharded"}
     for step, r in got["steps"].items():
         assert mismatches(r["logs"]) == [], step
         calls = sum(len(c) for log in r["logs"] for c in log["calls"].values())
-        assert calls > 0 or step == "export", step  # a DP-only export gathers nothing
+        assert calls > 0 or step.startswith("export"), step  # a DP-only export gathers nothing
         # the emulated FP8 amax reduction runs with grad on only, as TE's does: in updates, and
         # in the one calibrating forward of the first scoring pass before any update
         if step.startswith("update"):
@@ -119,3 +119,26 @@ def test_the_dry_run_counts_every_communicator_a_rank_uses(results, ranks, job):
                   r["logs"][rank]["calls"].items() if calls and "," in key.split(":")[1]}
         peers = {key.split(":")[0] for r in got["steps"].values() for key in r["logs"][rank]["p2p"]}
         assert len(groups) + len(peers) <= learner, (rank, sorted(groups), peers, counted)
+
+
+@pytest.mark.parametrize("ranks, job", [(4, 0), (8, 0)], ids=["qwen2.5-math-7b", "llama-3.1-70b"])
+def test_a_sync_sends_each_rank_its_shards(results, ranks, job):
+    """Where the engine's TP ranks are the learner's (the 7B and 70B configs: vLLM spmd at the
+    learner's TP size), a sync's stream skips the TP gathers of the attention and MLP
+    projections and broadcasts shards over PP: every rank sends and receives about 1/TP of
+    their bytes, plus the vocabulary and norms that travel whole; and each engine rank's slice
+    of every tensor is bit for bit the full stream's (zeros elsewhere). Bytes counted from the
+    collectives each rank issued (``collective_log.bytes_moved``: NCCL's ring algorithms)."""
+    got = results[ranks, job]
+    assert got["sharded_as_engine_keeps"]
+    kept = got["kept_bytes"]
+    tp = kept["tp"]
+    assert tp == 2 and kept["projections"] > 4 * kept["other"]  # what the test bites on
+    for rank in range(ranks):
+        full = bytes_moved(got["steps"]["export"]["logs"][rank], rank)
+        mine = bytes_moved(got["steps"]["export_sharded"]["logs"][rank], rank)
+        # at most its shard of every projection and every other tensor whole, each way
+        bound = kept["projections"] / tp + kept["other"]
+        assert mine[0] <= bound and mine[1] <= bound, (rank, mine, bound, kept)
+        # the full stream moves (TP - 1) / TP of the projections more on every rank
+        assert full[1] - mine[1] >= kept["projections"] * (tp - 1) / tp * 0.99, (rank, full, mine)

@@ -145,6 +145,9 @@ def test_spmd_replicas_take_every_layer(workdir, ranks, layout):
     embeddings (held by the first and last stages) included."""
     r = run(workdir, "vllm", f"spmd_tp2_{layout}")
     assert r["replicas"] == ranks // 2, r["describe"]
+    # learner TP 2 = engine TP 2 on the same ranks: each rank streams only its own shards of
+    # the projections (iter_hf_tensors(engine_sharded=True)), and the contract still holds
+    assert r["engine_sharded"] == (layout == "tp2pp2"), r
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.dryrun.memory import (
+    ASSUMED_MFU,
+    DATASHEET_BF16,
     GIB,
     H100_GIB,
     RECOMPUTE_COST,
@@ -38,6 +40,9 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
                          + ", the engine's weights and pools woken, the stream and what the "
                            "engine's reload holds of it",
                  "generate": "whole engine" + apart, "evaluate": "whole engine" + apart,
+                 "reference": "the reference's weights in the learner's storages ("
+                              + ("its own on the host" if e["offloaded"] else "its own state "
+                                 "beside them") + "), one no-grad microbatch and its logits",
                  "optimize": "learner, activations, logits; engine "
                              + ("asleep (nothing on the device)" if r.sleep_between_phases
                                 else "awake"),
@@ -80,8 +85,16 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"host memory per node ({e['ranks_per_node']} ranks), pinned: "
         f"{g(e['host_per_node']).strip()} (the learner's offload in "
         f"{g(e['host_learner']).strip()} of 256 MiB chunks a rank, the sleeping engine's "
-        f"backups {g(e['host_engine']).strip()} a rank, each allocation rounded up to a power "
-        f"of two; {g(e['host_unrounded_per_node']).strip()} before rounding)",
+        f"backups {g(e['host_engine']).strip()} a rank (level 2: its runtime and CUDA-graph "
+        f"pools, not its weights), each allocation rounded up to a power of two"
+        + (f", the reference policy's weights {g(e['host_reference']).strip()} a rank"
+           if e["host_reference"] else "")
+        + f"; {g(e['host_unrounded_per_node']).strip()} before rounding)",
+        *([f"reference pass: once a phase, over at most {e['reference_tokens']:,} tokens "
+           f"(prompts_per_phase x G x the longest sequence): ~{e['reference_seconds']:.0f} s at "
+           f"{ASSUMED_MFU:.0%} MFU of {DATASHEET_BF16 / 1e12:.0f} TFLOP/s on each of the "
+           f"{world_size} GPUs (a third of a training pass over them)"]
+          if e["reference_tokens"] else []),
         "peak with each model.recompute: " + ", ".join(
             f"{c} {v / GIB:.1f} GiB ({RECOMPUTE_COST[c]})" for c, v in e["peak_by_recompute"].items())
         + f"; the cheapest that fits: {e['cheapest_recompute'] or 'none of them'} (this config: "

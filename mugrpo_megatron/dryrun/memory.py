@@ -27,12 +27,21 @@ What one rank holds:
   Transformer Engine's FP8 copy of every GEMM weight and its transpose (2 bytes a GEMM
   parameter, kept between steps).
 - the engine (vLLM 0.32-0.33, sleep mode with the cumem allocator; read in
-  ``device_allocator/cumem.py`` and ``sleep_mode_backend.py``): awake, its budget
-  (``rollout.gpu_memory_utilization`` of the GPU: weights at the engine's TP size, KV cache,
-  CUDA graphs) plus its runtime and workspace pools; asleep (level 1), nothing on the device:
-  the weights, runtime and CUDA-graph pools are backed up to pinned host memory, the KV cache
-  and workspaces dropped; woken for a sync (tags ['weights']), the weights and every pool that
-  is not deferrable (runtime, CUDA graphs, workspaces) come back, not the KV cache.
+  ``device_allocator/cumem.py``, ``sleep_mode_backend.py`` and ``v1/worker/gpu_worker.py``):
+  awake, its budget (``rollout.gpu_memory_utilization`` of the GPU: weights at the engine's TP
+  size, KV cache, CUDA graphs) plus its runtime and workspace pools; asleep (level 2, as
+  ``engines.vllm_engine`` sleeps), nothing on the device: the runtime and CUDA-graph pools (and
+  the model's buffers: rotary caches, a few MB) are backed up to pinned host memory, the
+  weights, KV cache and workspaces dropped (level 1 would back the weights up too: ~17.5 GB a
+  GPU at 70B TP 8, each way, for the sync to overwrite); woken for a sync (tags ['weights']),
+  the weights' memory (then written by the sync) and every pool that is not deferrable
+  (runtime, CUDA graphs, workspaces) come back, not the KV cache.
+- the reference policy (``algo.kl_coef`` > 0 with ``kl_target: reference``): this rank's shards
+  of its weights in pinned host memory (chunked as the learner's offload); once a phase, after
+  generation, swapped into the learner's weight storages for a no-grad pass over the phase's
+  tokens (``reference``: the weights, one microbatch's forward, its logits), the learner's own
+  weights in host memory meanwhile (offloaded for the generation anyway); ``reference_seconds``
+  is that pass's compute at ``ASSUMED_MFU`` of ``DATASHEET_BF16`` on every GPU.
 - a weight sync's stream (``stream_bytes``): one bucket in flight (twice across pipeline stages:
   the owner's tensors and the broadcast buffer), or the largest tensor, which travels alone
   (the vocabulary); and what vLLM's layer-wise reload keeps (``reload_bytes``): every tensor of
@@ -46,7 +55,7 @@ Host memory per node (``host_bytes``), pinned: torch's caching host allocator ro
 pinned allocation up to a power of two (torch 2.13/2.14 ``CachingHostAllocator::allocate``),
 so the learner's offload lays its state across chunks of one power-of-two size
 (``learner.offload.HOST_CHUNK``: less than one chunk wasted a rank), while vLLM's sleep backs
-up each allocation on its own: each weight tensor (and each pool) rounded up.
+up each allocation on its own: each pool (and at level 1 each weight tensor) rounded up.
 """
 
 from __future__ import annotations
@@ -84,7 +93,13 @@ HOST_CHUNK = 1 << 28
 so the dry run imports nothing from the learner)."""
 MARGIN = 0.05
 """Fraction of the GPU the largest transition must leave free."""
-TRANSITIONS = ("start", "sync", "generate", "evaluate", "optimize", "save")
+TRANSITIONS = ("start", "sync", "generate", "evaluate", "reference", "optimize", "save")
+"""The phase's transitions ('reference' only with a KL term to a reference policy)."""
+DATASHEET_BF16 = 989e12
+"""H100 SXM dense bf16 FLOP/s (NVIDIA's datasheet): the reference pass's time is read from it."""
+ASSUMED_MFU = 0.4
+"""The model FLOPs utilisation a no-grad forward over packed rows is taken to reach (stated, not
+measured: no GPU has run it here)."""
 RECOMPUTE_COST = {"none": "fastest", "selective": "+ core attention's forward",
                   "full": "~1/3 more compute an update"}
 """``model.recompute``'s choices, cheapest first, with what each adds to an update."""
@@ -110,6 +125,13 @@ def microbatch_tokens(cfg: Config) -> tuple[int, str]:
         f"{p.micro_batch_size} row(s) padded to the rank's longest (up to {cfg.max_sequence_tokens})"
 
 
+def full_layer_bytes(cfg: Config, spec: ModelSpec, tokens: int) -> float:
+    """One layer's activations for ``tokens`` tokens (Korthikanti et al.), as TP and sequence
+    parallel split them."""
+    p, h, tp = cfg.parallel, spec.hidden_size, cfg.parallel.tensor
+    return tokens * h * (34 / tp if p.sequence_parallel or tp == 1 else 24 / tp + 10)
+
+
 def activation_bytes(cfg: Config, spec: ModelSpec, dp: int, recompute: str) -> tuple[float, int]:
     """Activation memory of the first pipeline stage during an update with ``recompute``, and the
     microbatches it holds in flight (1F1B: up to PP)."""
@@ -118,16 +140,19 @@ def activation_bytes(cfg: Config, spec: ModelSpec, dp: int, recompute: str) -> t
     h, tp = spec.hidden_size, p.tensor
     layers_stage = spec.num_layers / p.pipeline
     in_flight = min(p.pipeline, max(1, cfg.algo.samples_per_update // (dp * p.micro_batch_size)))
-    full_layer = tokens * h * (34 / tp if p.sequence_parallel or tp == 1 else 24 / tp + 10)
+    full_layer = full_layer_bytes(cfg, spec, tokens)
     if recompute == "full":  # the layers' inputs of every microbatch in flight, one layer's all
         inputs = 2 * tokens * h / (tp if p.sequence_parallel else 1) * layers_stage
         return inputs * in_flight + full_layer, in_flight
     return full_layer * layers_stage * in_flight, in_flight  # selective: no s^2 term to drop
 
 
-def logits_bytes(tokens: int, vocab_rows: int, dtype: str, temperature: float) -> float:
-    """A microbatch's logits at their peak (see the module docstring)."""
-    per_logit = 4 + 2 * BYTES[dtype] + (4 if temperature != 1.0 else 0)
+def logits_bytes(tokens: int, vocab_rows: int, dtype: str, temperature: float,
+                 entropy_grad: bool = False) -> float:
+    """A microbatch's logits at their peak (see the module docstring); an entropy bonus
+    (``algo.entropy_coef``) keeps one more fp32 copy for its backward."""
+    per_logit = 4 + 2 * BYTES[dtype] + (4 if temperature != 1.0 else 0) + (4 if entropy_grad
+                                                                              else 0)
     return float(tokens) * vocab_rows * per_logit
 
 
@@ -260,7 +285,8 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
 
     tokens = microbatch_tokens(cfg)[0]
     act, in_flight = activation_bytes(cfg, spec, dp, cfg.model.recompute)
-    logits = logits_bytes(tokens, vocab_rows, cfg.model.dtype, r.temperature)
+    logits = logits_bytes(tokens, vocab_rows, cfg.model.dtype, r.temperature,
+                          entropy_grad=cfg.algo.entropy_coef > 0)
 
     # not freed by any offload: the process, NCCL, and FP8's weight caches (the GEMM weights)
     fp8_cache = 2 * (layers_params + expert_params) if cfg.model.fp8_format else 0.0
@@ -285,14 +311,22 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     learner_at_sync = params_b if offloaded else state
     stream = stream_bytes(spec, tp, p.pipeline, r.weight_bucket_mb << 20, cfg.model.dtype)
     reload = reload_bytes(spec, r.tensor_parallel, cfg.model.dtype) if vllm else 0.0
+    reference = bool(cfg.algo.kl_coef) and cfg.algo.kl_target == "reference"
+    # a no-grad forward keeps one layer's activations at a time, and its logits (no copy for
+    # a backward): the reference's weights in the learner's storages, its own state on the host
+    forward = full_layer_bytes(cfg, spec, tokens) + logits_bytes(tokens, vocab_rows,
+                                                                cfg.model.dtype, r.temperature)
     transitions = {
         "start": CUDA_CONTEXT + nccl + engine_awake + learner_while_generating,
         "sync": resident + learner_at_sync + engine_weights + pools + stream + reload,
         "generate": resident + engine_awake + learner_while_generating,
         "evaluate": resident + engine_awake + learner_while_generating,
+        "reference": resident + (params_b if offloaded else state) + forward + engine_asleep,
         "optimize": resident + state + act + logits + engine_asleep,
         "save": resident + state + engine_asleep,
     }
+    if not reference:
+        del transitions["reference"]
     peak_name = max(transitions, key=transitions.get)
     margin = MARGIN * gpu_gib * GIB
     # the run's peak with each recomputation choice (only the optimizer's transition changes)
@@ -303,8 +337,14 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     fitting = [c for c, v in peak_by_recompute.items() if v + margin <= gpu_gib * GIB]
     # host, pinned: the learner's offload in chunks, the sleeping engine's backups one by one
     learner_host = math.ceil((params_b + optim_b) / HOST_CHUNK) * HOST_CHUNK if offloaded else 0
-    engine_host = (engine_tensors.pinned + pinned(VLLM_RUNTIME) + pinned(VLLM_GRAPH_POOL)
+    # the learner's weights twice on the host where it is not offloaded (its own, swapped out)
+    reference_host = (1 + (not offloaded)) * math.ceil(params_b / HOST_CHUNK) * HOST_CHUNK \
+        if reference else 0
+    # level 2: the pools, not the weights
+    engine_host = (pinned(VLLM_RUNTIME) + pinned(VLLM_GRAPH_POOL)
                    if vllm and r.sleep_between_phases else 0)
+    phase_tokens = cfg.algo.prompts_per_phase * r.group_size * cfg.max_sequence_tokens
+    world = dp * p.tensor * p.pipeline
     return {
         "dp": dp, "gpu_gib": gpu_gib, "parameters_total": total,
         "parameters_per_gpu": stage_params, "params": params_b, "grads": grads_b,
@@ -318,9 +358,15 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
         "peak_by_recompute": peak_by_recompute,
         "cheapest_recompute": fitting[0] if fitting else None,
         "host_learner": learner_host, "host_engine": engine_host,
-        "host_per_node": ranks_per_node * (learner_host + engine_host),
+        "host_reference": reference_host,
+        "host_per_node": ranks_per_node * (learner_host + engine_host + reference_host),
         "host_unrounded_per_node": ranks_per_node * ((params_b + optim_b if offloaded else 0)
-                                                     + (engine_weights if engine_host else 0)),
+                                                     + (VLLM_RUNTIME + VLLM_GRAPH_POOL
+                                                        if engine_host else 0)
+                                                     + (params_b if reference else 0)),
+        "reference_tokens": phase_tokens if reference else 0,
+        "reference_seconds": 2 * total * phase_tokens / (world * ASSUMED_MFU * DATASHEET_BF16)
+        if reference else 0.0,
         "ranks_per_node": ranks_per_node, "microbatches_in_flight": in_flight,
         "seq_len": cfg.max_sequence_tokens,
     }

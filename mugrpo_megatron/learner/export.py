@@ -7,6 +7,15 @@ at most one full tensor beyond its own shards. An MoE expert's parameter is gath
 expert tensor-parallel group, then over the expert-parallel group (every rank gets the same
 parameter of every expert-parallel rank's expert). The same stream feeds HF export and the rollout
 engine's weight update (resharding), so both use one mapping.
+
+For an engine whose tensor-parallel ranks are the learner's (``engine_sharded``: vLLM placed
+spmd at the learner's TP size, engine TP rank r in the process of learner TP rank r), each rank
+keeps only its shard of the attention and MLP projections, so they are not gathered: each rank
+streams full-shape HF tensors that hold its own shard (zeros elsewhere; vLLM's checkpoint-format
+loaders narrow every tensor to the rank's slice and read nothing else), and the PP broadcast
+carries the shards. A rank then sends and receives 1/TP of those bytes (at 70B, TP 8: ~17 GB of
+the 137 GB of projections a sync, not 137 GB); the vocabulary (megatron and vLLM pad and split it
+differently), norms and MoE experts travel whole as before.
 """
 
 from __future__ import annotations
@@ -27,7 +36,13 @@ from safetensors.torch import save_file
 from mugrpo_megatron import distributed, outputs
 from mugrpo_megatron.learner.model import expert_offset, named_hf_params
 from mugrpo_megatron.models.hf_config import TOKENIZER_FILES, ModelSpec
-from mugrpo_megatron.models.mapping import ParamMap, hf_from_shards, tp_split_dim
+from mugrpo_megatron.models.mapping import (
+    ENGINE_SHARDED,
+    ParamMap,
+    hf_from_shards,
+    shard_pieces,
+    tp_split_dim,
+)
 
 
 def _stage_entries(chunks: list[torch.nn.Module], spec: ModelSpec
@@ -44,9 +59,12 @@ def _stage_entries(chunks: list[torch.nn.Module], spec: ModelSpec
 def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
                     dtype: torch.dtype | None = None,
                     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.detach(),
-                    bucket_bytes: int = 512 << 20,
+                    bucket_bytes: int = 512 << 20, engine_sharded: bool = False,
                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for the whole model on every rank (collective).
+    """Yield (HF name, full tensor) for the whole model on every rank (collective); with
+    ``engine_sharded`` the attention and MLP projections hold only this rank's TP shard (see the
+    module docstring): for a weight sync into an engine at the learner's TP ranks, never for an
+    export.
 
     Tensors cross pipeline stages in buckets of at most ``bucket_bytes`` (one flat broadcast per
     bucket); a tensor larger than a bucket travels alone. ``tensor_of`` picks what is streamed for
@@ -68,27 +86,30 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
     device = distributed.device()
     mine = _stage_entries(chunks, spec)
     ep = _ExpertGroups(spec)
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    sharded = engine_sharded and tp_size > 1
     for stage in range(pp_size):
         owner = stage == pp_rank
-        # the owning stage tells the others what it will send: one (name, shape, dtype) per tensor
+        # the owning stage tells the others what it will send: per tensor (name, shape, dtype,
+        # and where a shard lies in its full tensor: None for a full one)
         meta = None
         if owner:
-            meta = [(name, tuple(shape), str(tensor_of(p).dtype).removeprefix("torch."))
+            meta = [(name, tuple(shape), str(tensor_of(p).dtype).removeprefix("torch."), place)
                     for p, pm in mine
-                    for names in ep.names(pm)
-                    for name, shape in zip(names, _hf_shapes(tensor_of(p), pm,
-                                                             ep.tp_size(pm, tp_size), spec))]
+                    for name, shape, place in _sent(tensor_of(p), pm, spec, tp_size, tp_rank, ep,
+                                                    sharded)]
         if pp_size > 1:
             box = [meta]
             dist.broadcast_object_list(box, src=pp_ranks[stage], group=pp_group)
             meta = box[0]
-        produced = _produce(mine, tensor_of, spec, tp_size, tp_group, ep) if owner else None
+        produced = _produce(mine, tensor_of, spec, tp_size, tp_group, ep,
+                            tp_rank if sharded else None) if owner else None
         for bucket in _buckets(meta, bucket_bytes):
             if owner:
                 tensors = [next(produced) for _ in bucket]
             if pp_size > 1:
                 dt = getattr(torch, bucket[0][2])
-                numels = [math.prod(shape) for _, shape, _ in bucket]
+                numels = [math.prod(shape) for _, shape, _, _ in bucket]
                 alone = owner and len(bucket) == 1 and tensors[0][1].is_contiguous()
                 if alone:  # broadcast as it is: no flat copy of the largest tensors
                     flat = tensors[0][1].to(device).reshape(-1)
@@ -98,17 +119,22 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
                     flat = torch.empty(sum(numels), dtype=dt, device=device)
                 dist.broadcast(flat, src=pp_ranks[stage], group=pp_group)
                 if not alone:
-                    tensors = [(name, part.view(shape), True) for (name, shape, _), part in
+                    tensors = [(name, part.view(shape), True) for (name, shape, _, _), part in
                                zip(bucket, flat.split(numels))]
                 del flat
-            for name, t, fresh in tensors:
+            for (name, t, fresh), (_, _, _, place) in zip(tensors, bucket):
+                if place is not None:  # this rank's shard, in a full-shape tensor of its own
+                    full = torch.zeros(place[0], dtype=dtype or t.dtype, device=t.device)
+                    full[tuple(slice(*i) for i in place[1])] = t
+                    yield name, full
                 # never hand out a view of a live parameter: a consumer may keep it (vLLM can)
                 # and see later optimizer steps, or write into it
-                if dtype is not None and t.dtype != dtype:
+                elif dtype is not None and t.dtype != dtype:
                     yield name, t.to(dtype)
                 else:
                     yield name, t if fresh else t.clone()
-            tensors = t = None  # the last tensor handed out is not held while the next is made
+            tensors = t = full = None  # the last tensor handed out is not held while the next
+            # is made
 
 
 class _ExpertGroups:
@@ -132,11 +158,34 @@ class _ExpertGroups:
         return mpu.get_expert_tensor_parallel_world_size() if pm.expert is not None else tp_size
 
 
-def _produce(entries, tensor_of, spec, tp_size, tp_group, ep: _ExpertGroups
-             ) -> Iterator[tuple[str, torch.Tensor, bool]]:
+def _engine_sharded(pm: ParamMap, tp_rank: int | None) -> bool:
+    """Whether ``pm`` streams as this rank's shard (``iter_hf_tensors(engine_sharded=True)``)."""
+    return tp_rank is not None and pm.expert is None and pm.kind in ENGINE_SHARDED
+
+
+def _sent(param: torch.Tensor, pm: ParamMap, spec: ModelSpec, tp_size: int, tp_rank: int,
+          ep: _ExpertGroups, sharded: bool) -> list[tuple[str, tuple[int, ...], tuple | None]]:
+    """What the owning stage sends of one parameter: (HF name, shape sent, place), ``place``
+    the full tensor's shape and the index of the shard in it where only the shard is sent."""
+    if _engine_sharded(pm, tp_rank if sharded else None):
+        return [(name, tuple(part.shape), (full, tuple((i.start, i.stop) for i in index)))
+                for name, full, index, part in
+                shard_pieces(pm, param.to("meta"), spec, tp_rank, tp_size)]
+    return [(name, tuple(shape), None) for names in ep.names(pm)
+            for name, shape in zip(names, _hf_shapes(param, pm, ep.tp_size(pm, tp_size), spec))]
+
+
+def _produce(entries, tensor_of, spec, tp_size, tp_group, ep: _ExpertGroups,
+             tp_rank: int | None = None) -> Iterator[tuple[str, torch.Tensor, bool]]:
     """(HF name, full tensor, fresh) of each entry in order; ``fresh``: a tensor of its own, not
-    a live parameter or a view of one."""
+    a live parameter or a view of one. With ``tp_rank`` (an engine-sharded stream) the
+    parameters of ``ENGINE_SHARDED`` kinds yield this rank's pieces of their HF tensors instead
+    (views of the parameter: the stream copies them into full-shape tensors)."""
     for param, pm in entries:
+        if _engine_sharded(pm, tp_rank):
+            yield from ((name, part, False) for name, _, _, part in
+                        shard_pieces(pm, tensor_of(param), spec, tp_rank, tp_size))
+            continue
         if pm.expert is None:
             yield from _gather_tp(tensor_of(param), pm, spec, tp_size, tp_group)
             continue
@@ -156,7 +205,8 @@ def _produce(entries, tensor_of, spec, tp_size, tp_group, ep: _ExpertGroups
                 yield name, gathered[j][r], True
 
 
-def _buckets(meta: list[tuple[str, tuple, str]], bucket_bytes: int) -> Iterator[list]:
+def _buckets(meta: list[tuple[str, tuple, str, tuple | None]], bucket_bytes: int
+             ) -> Iterator[list]:
     """Consecutive tensors of one dtype, up to ``bucket_bytes`` together (a larger one alone)."""
     bucket: list = []
     size = 0

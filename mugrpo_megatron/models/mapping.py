@@ -188,6 +188,48 @@ def hf_from_shards(pm: ParamMap, shards: list[torch.Tensor], spec: ModelSpec,
             (pm.hf_names[2], v.contiguous())]
 
 
+ENGINE_SHARDED: tuple[Kind, ...] = ("qkv", "gate_up", "row")
+"""Kinds whose TP shard is exactly what an engine rank at the same TP size keeps of the HF
+tensors (vLLM's QKV/merged-column/row-parallel loaders narrow each HF tensor to rank r's
+heads, rows or columns: megatron's rank r holds the same ones). The vocabulary is not one:
+megatron pads it to a multiple of 128 x TP, vLLM to one of 64, so their shards' rows differ."""
+
+
+def shard_pieces(pm: ParamMap, shard: torch.Tensor, spec: ModelSpec, tp_rank: int,
+                 tp_size: int) -> list[tuple[str, tuple[int, ...], tuple[slice, ...],
+                                             torch.Tensor]]:
+    """Where TP rank ``tp_rank``'s ``shard`` of a parameter of an ``ENGINE_SHARDED`` kind lies in
+    each of its full HF tensors: (HF name, the full tensor's shape, the index of this rank's
+    part in it, the part: a view of ``shard``). The inverse of ``shard_from_hf`` for one rank,
+    and of ``hf_from_shards`` without the other ranks' shards."""
+    if pm.kind == "row":
+        cols = shard.shape[1]
+        return [(pm.hf_names[0], (shard.shape[0], cols * tp_size),
+                 (slice(None), slice(tp_rank * cols, (tp_rank + 1) * cols)), shard)]
+    if pm.kind == "gate_up":
+        gate, up = shard.chunk(2, dim=0)
+        rows = gate.shape[0]
+        full = (rows * tp_size, *gate.shape[1:])
+        at = (slice(tp_rank * rows, (tp_rank + 1) * rows),)
+        return [(pm.hf_names[0], full, at, gate), (pm.hf_names[1], full, at, up)]
+    if pm.kind != "qkv":
+        raise ValueError(f"{pm.hf_names}: a {pm.kind} parameter is not split as an engine keeps it")
+    hd, hpg = spec.head_dim, spec.heads_per_group
+    groups = spec.num_kv_heads // tp_size
+    g0 = tp_rank * groups
+    tail = tuple(shard.shape[1:])
+    per_group = shard.reshape(groups, (hpg + 2) * hd, *tail)
+    q = per_group[:, :hpg * hd].reshape(groups * hpg * hd, *tail)
+    k = per_group[:, hpg * hd:(hpg + 1) * hd].reshape(groups * hd, *tail)
+    v = per_group[:, (hpg + 1) * hd:].reshape(groups * hd, *tail)
+    return [(pm.hf_names[0], (spec.num_heads * hd, *tail),
+             (slice(g0 * hpg * hd, (g0 + groups) * hpg * hd),), q),
+            (pm.hf_names[1], (spec.num_kv_heads * hd, *tail),
+             (slice(g0 * hd, (g0 + groups) * hd),), k),
+            (pm.hf_names[2], (spec.num_kv_heads * hd, *tail),
+             (slice(g0 * hd, (g0 + groups) * hd),), v)]
+
+
 def _mlp_size(pm: ParamMap, spec: ModelSpec) -> int:
     return spec.moe_ffn_hidden_size if pm.expert is not None else spec.ffn_hidden_size
 

@@ -77,23 +77,83 @@ def run_job(job: dict) -> None:
              "score_padded": lambda: learner.logprobs(scoring, packed=False),
              "update_packed": lambda: learner.train_step(mine, dp_local=True),
              "update_padded": lambda: padded_update(learner, mine),
-             # a weight sync's stream (every rank receives every HF tensor)
-             "export": lambda: sum(1 for _ in iter_hf_tensors(learner.chunks(), learner.spec,
-                                                              bucket_bytes=1 << 16))}
+             # a weight sync's stream (every rank receives every HF tensor), and the same for an
+             # engine at the learner's TP ranks (each rank streams its own shards)
+             "export": lambda: streamed(learner, False),
+             "export_sharded": lambda: streamed(learner, True)}
     for name, step in steps.items():
         with te_amax_emulation(learner) as amax, CollectiveLog() as log:
             out = step()
         if name.startswith("update"):
             assert not out.skipped, (name, out.reason)
-        if name == "export":
-            assert out > 0
+        if name.startswith("export"):
+            assert out
+            result.setdefault("streams", {})[name] = out
+            out = None
         result["steps"][name] = {"logs": gathered(log), "amax": amax}
+    full, sharded = result.pop("streams").values()
+    result["sharded_as_engine_keeps"] = same_engine_slices(full, sharded, layout)
+    result["kept_bytes"] = kept_bytes(full, layout.tp_size)
     every = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, bins)
     result["bins"] = every
     if torch.distributed.get_rank() == 0:
         Path(job["out"]).write_text(json.dumps(result))
     torch.distributed.barrier()
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ROWS = ("o_proj", "down_proj")  # split along their input (dim 1); the others along dim 0
+
+
+def streamed(learner, sharded: bool) -> dict:
+    """The weight-sync stream's tensors on this rank, by name."""
+    return {n: t.clone() for n, t in iter_hf_tensors(learner.chunks(), learner.spec,
+                                                      bucket_bytes=1 << 16,
+                                                      engine_sharded=sharded)}
+
+
+def engine_slice(name: str, shape, tp_rank: int, tp: int) -> tuple[slice, ...]:
+    """What vLLM's TP rank ``tp_rank`` of ``tp`` loads of an HF projection: its equal part of the
+    split dimension (heads, rows or input columns)."""
+    dim = 1 if any(f".{r}." in name for r in ROWS) else 0
+    n = shape[dim] // tp
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(tp_rank * n, (tp_rank + 1) * n)
+    return tuple(index)
+
+
+def is_projection(name: str) -> bool:
+    return any(f".{p}." in name for p in PROJECTIONS) and ".experts." not in name
+
+
+def same_engine_slices(full: dict, sharded: dict, layout) -> bool:
+    """The sharded stream's tensors hold exactly the full stream's values in this rank's engine
+    slice of every projection (zeros elsewhere), and every other tensor bit for bit."""
+    if set(full) != set(sharded):
+        return False
+    for name, f in full.items():
+        s = sharded[name]
+        if f.shape != s.shape or f.dtype != s.dtype:
+            return False
+        if not is_projection(name) or layout.tp_size == 1:
+            if not torch.equal(f, s):
+                return False
+            continue
+        index = engine_slice(name, f.shape, layout.tp_rank, layout.tp_size)
+        rest = s.clone()
+        rest[index] = 0
+        if not torch.equal(s[index], f[index]) or rest.any():
+            return False
+    return True
+
+
+def kept_bytes(full: dict, tp: int) -> dict:
+    """Bytes of the stream's projections and of everything else (vocabulary, norms): an engine
+    rank keeps 1/TP of the projections."""
+    proj = sum(t.numel() * t.element_size() for n, t in full.items() if is_projection(n))
+    rest = sum(t.numel() * t.element_size() for n, t in full.items() if not is_projection(n))
+    return {"projections": proj, "other": rest, "tp": tp}
 
 
 def padded_update(learner, batch):

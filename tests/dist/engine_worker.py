@@ -24,6 +24,7 @@ import torch.distributed as dist
 from mugrpo_megatron.config.loader import load_config
 from mugrpo_megatron.engines import SamplingSpec
 from mugrpo_megatron.engines.fleet import EngineFailed, EngineFleet
+from mugrpo_megatron.handoff import engine_sharded
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.phase.batches import logprob_gap
@@ -85,8 +86,13 @@ def run_contract(hf_dir: str, out: Path, overrides: list[str], bucket_bytes: int
                     # what placement reads, as torchrun set it and after the engines started
                     "local_world_size": [launcher_local_world, os.environ.get("LOCAL_WORLD_SIZE")]}
 
+    # the trainer's choice: each rank streams only its shards where its engine rank keeps them
+    sharded = engine_sharded(cfg.rollout, learner)
+    result["engine_sharded"] = sharded
+
     def sync(how=None):
-        stream = iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=bucket)
+        stream = iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=bucket,
+                                 engine_sharded=sharded)
         if how:
             stream = corrupt(stream, how, learner.spec)
         try:
