@@ -39,12 +39,29 @@ class Row:
     """algo.max_drift: a drift-bounded schedule."""
     prefix_bound: float | None = None
     """algo.veto_prefix_bound, for veto scope 'prefix'."""
+    extra: tuple[tuple[str, object], ...] = ()
+    """Further config overrides (key, value): the GRPO family's knobs of the ``recipes`` grid."""
 
 
 GRPO4 = Row("grpo_mu4", "GRPO mu=4, [0.8, 1.2]", False, (0.2, 0.2), None)
 GRPOM = Row("grpo_muM", "GRPO mu=M, [0.8, 1.2]", True, (0.2, 0.2), None)
 NOVETO = Row("relaxed_noveto", "mu=M, [0, 5], no veto", True, (1.0, 4.0), None)
 MUGRPO = Row("mugrpo", "Mu-GRPO: mu=M, [0, 5], suffix veto", True, (1.0, 4.0), "suffix")
+DAPO4 = Row("dapo_mu4", "DAPO-style GRPO mu=4: [0.8, 1.28], token-mean, overlong buffer, refill",
+            False, (0.2, 0.28), None,
+            extra=(("algo.overlong_buffer_tokens", 12), ("algo.overlong_penalty", 1.0),
+                   ("algo.uniform_groups", "refill"), ("algo.max_refill_rounds", 4)))
+"""DAPO (Yu et al. 2025) at mu = 4: clip-higher [1 - 0.2, 1 + 0.28], token-mean (ours already),
+the soft overlong punishment over the last 20% of the response limit (DAPO: 4096 of 20480; here
+12 of 64 tokens) and dynamic sampling (refill); no KL, as DAPO."""
+DRGRPO4 = Row("drgrpo_mu4", "Dr.GRPO-style GRPO mu=4: [0.8, 1.2], no std, seq-mean-token-sum-norm",
+              False, (0.2, 0.2), None,
+              extra=(("algo.norm_adv_by_std", False),
+                     ("algo.loss_agg", "seq-mean-token-sum-norm")))
+"""Dr.GRPO (Liu et al. 2025): advantages without the group std, each response's token sum over
+the response-length limit."""
+
+
 ROWS = {r.name: r for r in [
     GRPO4, GRPOM, NOVETO,
     Row("veto_trigger", "mu=M, [0, 5], veto on triggers", True, (1.0, 4.0), "trigger"),
@@ -55,7 +72,26 @@ ROWS = {r.name: r for r in [
     # which side of the relaxed clip matters: the low side opened, or the high side
     Row("clip_low_open_veto", "mu=M, [0, 1.2], suffix veto", True, (1.0, 0.2), "suffix"),
     Row("clip_high_open_veto", "mu=M, [0.8, 5], suffix veto", True, (0.2, 4.0), "suffix"),
+    DAPO4, DRGRPO4,
 ]}
+
+
+def kl_behaviour_row(coef: float) -> Row:
+    """Mu-GRPO with a KL penalty (k2: (log rho)^2 / 2, whose gradient is log rho) to the phase's
+    behaviour policy, ``coef`` its weight."""
+    return replace(MUGRPO, name=f"mugrpo_klb{coef:g}",
+                   label=f"Mu-GRPO + KL to behaviour, beta={coef:g} (k2)",
+                   extra=(("algo.kl_coef", coef), ("algo.kl_target", "behaviour"),
+                          ("algo.kl_estimator", "k2")))
+
+
+KL_DRIFTS = (0.05, 0.2)
+"""The drifts (mean |log rho|) the two KL coefficients of ``recipes`` are set for, chosen from the
+earlier grids before any KL row ran: 0.05, the drift bound whose Mu-GRPO came closest to GRPO
+mu=4 in ``today`` (0.566 +- 0.008 against 0.628), and 0.2, about the drift unbounded Mu-GRPO
+reaches late in a phase at today's regime (0.183). The rule: with k2 the penalty's gradient on
+a token is beta x log rho and the policy term's is about |A| rho ~ 1 (advantages are
+normalised), so beta = 1 / d balances the two at drift d: beta 20 and 5."""
 
 
 def drift_row(bound: float) -> Row:
@@ -71,10 +107,12 @@ def prefix_row(bound: float) -> Row:
 
 
 def row(name: str) -> Row:
-    """A row by name: the fixed rows, ``mugrpo_drift<bound>`` and ``veto_prefix<B>``."""
+    """A row by name: the fixed rows, ``mugrpo_drift<bound>``, ``veto_prefix<B>`` and
+    ``mugrpo_klb<beta>``."""
     if name in ROWS:
         return ROWS[name]
-    for prefix, make in (("mugrpo_drift", drift_row), ("veto_prefix", prefix_row)):
+    for prefix, make in (("mugrpo_drift", drift_row), ("veto_prefix", prefix_row),
+                         ("mugrpo_klb", kl_behaviour_row)):
         if name.startswith(prefix):
             try:
                 return make(float(name[len(prefix):]))
@@ -152,6 +190,11 @@ GRIDS = {g.name: g for g in [
          ((GRPO4, 2), (MUGRPO, 2)), uniform_policies=("keep", "drop", "drop_once")),
     Grid("phase-sweep", "Mu-GRPO at 2, 4, 8 and 16 phases of equal total updates",
          (), phase_sweep=(2, 4, 8, 16)),
+    Grid("recipes", "the GRPO family's recipes on our loop at today's regime: GRPO mu=4 vanilla, "
+                    "DAPO-style and Dr.GRPO-style, and Mu-GRPO with a KL trust region to the "
+                    "behaviour policy at two coefficients",
+         ((GRPO4, 2), (DAPO4, 2), (DRGRPO4, 2),
+          *((kl_behaviour_row(1 / d), 2) for d in KL_DRIFTS), (MUGRPO, 2))),
 ]}
 PHASE_SWEEP_SEEDS = 2
 

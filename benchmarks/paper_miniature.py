@@ -84,6 +84,7 @@ def run_job(job: Job, model: Path, data: Path, run_dir: Path, args) -> dict:
         sets["algo.max_drift"] = r.max_drift
     if r.prefix_bound is not None:
         sets["algo.veto_prefix_bound"] = r.prefix_bound
+    sets.update(r.extra)
     cmd = [sys.executable, "-m", "mugrpo_megatron", "train", "--config", str(BASE_CONFIG)]
     cmd += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     env = dict(os.environ, PYTHONWARNINGS="ignore")

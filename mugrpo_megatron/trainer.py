@@ -163,6 +163,7 @@ class Trainer:
         """Generate (unless on disk), score the reference policy (a KL term to it) and the
         behaviour policy (``behaviour_logprobs: learner``), check, optimize until the phase
         ends; its record in the phase log."""
+        t0 = time.perf_counter()
         rec = PhaseRecord(phase.index, phase.first_update, phase.planned_updates,
                           uniform_policy=self.cfg.algo.uniform_groups)
         data = self.rollout(phase, rec)
@@ -170,10 +171,13 @@ class Trainer:
             self.reference(data, rec)  # a resumed phase's, when an earlier start had not
             if self.cfg.algo.behaviour_logprobs == "learner":
                 self.behaviour_from_learner(phase, data, rec)
+            t_check = time.perf_counter()
             self.check(data, rec)
+            rec.check_seconds = time.perf_counter() - t_check
             self.optimize(phase, data, rec)
         finally:
             data.close()
+        rec.wall_seconds = time.perf_counter() - t0 - (rec.eval_seconds or 0.0)
         self._log_phase(rec, data)
 
     def rollout(self, phase: Phase, rec: PhaseRecord) -> PhaseData:
@@ -282,7 +286,7 @@ class Trainer:
                                once=self.cfg.algo.uniform_groups == "drop_once")
         bar = self.progress.bar(f"phase {phase.index} optimize",
                                 total=phase.first_update + phase.max_updates - first)
-        done, stop, t_eval, t_data = first - phase.first_update, False, 0.0, 0.0
+        done, stop, t_eval, t_data, t_save = first - phase.first_update, False, 0.0, 0.0, 0.0
         t_opt = time.perf_counter()
         while not stop:
             t0 = time.perf_counter()
@@ -305,12 +309,13 @@ class Trainer:
             self.state.drift_window = drift.window
             every = self.cfg.checkpoint.save_every_updates
             if every and (mb.update + 1) % every == 0 and done < phase.max_updates and not stop:
-                self.save(mb.update + 1, phase.index)
+                t_save += self.save(mb.update + 1, phase.index)
             t_eval += self.evaluate_every(mb.update + 1)
         bar.close()
         self.handoff.mark_memory("optimize", phase.index)
-        rec.optimize_seconds = time.perf_counter() - t_opt - t_eval  # the held-out curve is not
-        rec.batch_read_seconds = t_data                              # training
+        rec.optimize_seconds = time.perf_counter() - t_opt - t_eval - t_save  # the held-out
+        # curve and the checkpoints are not training
+        rec.batch_read_seconds = t_data
         rec.eval_seconds = t_eval or None
         rec.updates, rec.end = done, "drift" if stop and done < phase.max_updates else "mu"
         rec.drift = drift.drift if self.cfg.algo.max_drift is not None else None
@@ -319,27 +324,30 @@ class Trainer:
         self.state.ended.append(PhaseEnd(phase.index, phase.first_update, done, rec.end,
                                          data.positions_used))
         self.state.drift_window = []
-        self.save(phase.first_update + done, phase.index)
+        rec.save_seconds = t_save + self.save(phase.first_update + done, phase.index)
 
-    def save(self, update: int, phase: int) -> None:
+    def save(self, update: int, phase: int) -> float:
         """A checkpoint at ``update`` with the schedule's state (the phases that ended, the
         running phase's drift window): a resume from it plans and ends phases as this start
-        does."""
+        does. Returns the seconds it took."""
+        t0 = time.perf_counter()
         save_learner(self.learner, self.ckpt_dir / f"update_{update:07d}",
                      {"update": update, "phase": phase, "schedule": self.state.to_json()})
         self.handoff.mark_memory("save", phase)
         if self.rank0:
             prune(self.ckpt_dir, self.cfg.checkpoint.keep_last)
         self.start_update = update
+        return time.perf_counter() - t0
 
-    def evaluate(self, label: str) -> None:
+    def evaluate(self, label: str, since: float | None = None) -> None:
         """Every held-out set (``data.eval_path``), each sampled as ``eval.*`` says, the
         learner offloaded; rank 0 scores them and logs one 'eval' record: each set's pass@k and
-        mean@k (by source within a set that has several), the seconds it took, and the first
-        set's numbers under the keys of runs before named sets."""
+        mean@k (by source within a set that has several), the seconds it took (from ``since``:
+        with the sync made for it), and the first set's numbers under the keys of runs before
+        named sets."""
         if not self.eval_sets:
             return
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if since is None else since
         specs = {name: set_sampling(self.cfg, name) for name in self.eval_sets}
         with self.handoff.learner_offloaded():
             self.engines.wake()
@@ -373,7 +381,7 @@ class Trainer:
             return 0.0
         t0 = time.perf_counter()
         self.handoff.sync_weights()
-        self.evaluate(f"update {update}")
+        self.evaluate(f"update {update}", since=t0)
         return time.perf_counter() - t0
 
     def close(self) -> None:

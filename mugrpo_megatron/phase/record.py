@@ -63,12 +63,20 @@ class PhaseRecord:
     """|reference log-prob - behaviour log-prob| over the phase's tokens: how far the phase's
     behaviour policy is from the one the run started from."""
     reference_gap_max: float | None = None
+    check_seconds: float = 0.0
+    """The train/inference gap and packing checks (learner forwards of a few rows)."""
+    wall_seconds: float = 0.0
+    """The whole phase, from its plan to its record, without the held-out evaluations inside
+    it: what the parts above and the phase's own overhead (opening, writing and indexing its
+    files, plans, checkpoints) add up to."""
     # optimization
     optimize_seconds: float = 0.0
     """The updates, without the held-out evaluations inside the phase."""
     batch_read_seconds: float = 0.0
     """Reading the updates' rows from the shards (inside optimize_seconds)."""
     eval_seconds: float | None = None
+    save_seconds: float = 0.0
+    """Checkpoints saved in the phase (``checkpoint.save_every_updates``, and at its end)."""
     skipped_updates: int = 0
     passes: float = 0.0
     """Passes over the phase's train rows that its updates made."""
