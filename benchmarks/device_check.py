@@ -95,6 +95,9 @@ def ceiling(args) -> dict:
     h2d = summarize(timed(lambda: device.copy_(host, non_blocking=True), repeats=5))
     d2h = summarize(timed(lambda: host.copy_(device, non_blocking=True), repeats=5))
     out.update(h2d_gb_s=nbytes / 1e9 / h2d["median"], d2h_gb_s=nbytes / 1e9 / d2h["median"])
+    out["checked"] = [f"the {dtype} matrix-product rate at n={n}",
+                      "pinned host <-> device copy bandwidth" if cuda else "host copy bandwidth"]
+    out["not_checked"] = [] if cuda else ["a GPU: these are the CPU's numbers"]
     return out
 
 
@@ -143,6 +146,12 @@ def learner_section(path: Path, args, fp8: bool, state: dict) -> dict:
     if torch.cuda.is_available():
         out["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     state["learner"], state["cfg"], state["batch"] = learner, cfg, batch
+    kind = "FP8 (TE, hybrid, delayed scaling)" if fp8 else cfg.model.dtype
+    out["checked"] = [f"megatron-core {_version('megatron-core')} train steps in {kind} at world "
+                      f"size 1: finite losses, tokens/s, MFU",
+                      "TE's layers" if learner.uses_thd else "megatron's local (torch) layers"]
+    out["not_checked"] = ["TP, PP, DP and their NCCL collectives (one GPU)"] + (
+        [] if learner.uses_thd else ["Transformer Engine's layers (not installed)"])
     return out
 
 
@@ -157,6 +166,9 @@ def offload_section(state: dict) -> dict:
         out[f"offload_{i}"] = {"seconds": off.seconds, "gib": off.bytes_freed / 2**30,
                                "copy_gb_s": off.bytes_copied / 1e9 / off.seconds}
         out[f"onload_{i}"] = {"seconds": on.seconds, "copy_gb_s": on.bytes_copied / 1e9 / on.seconds}
+    out["checked"] = ["offload and onload of weights, gradient buffers and Adam state, twice (the "
+                      "second reusing the pinned chunks)"]
+    out["not_checked"] = ["that the engine's memory fills what the learner freed (no engine)"]
     return out
 
 
@@ -177,7 +189,11 @@ def reshard_section(state: dict, args) -> dict:
     copy = summarize(timed(lambda: dst.copy_(src, non_blocking=True), repeats=3))
     return {"bytes": nbytes, "reshard_s": reshard, "reshard_gb_s": nbytes / 1e9 / reshard["median"],
             "d2h_copy_gb_s": nbytes / 1e9 / copy["median"],
-            "reshard_vs_copy": copy["median"] / reshard["median"]}
+            "reshard_vs_copy": copy["median"] / reshard["median"],
+            "checked": ["the export stream's throughput at TP1 (renaming, splitting q/k/v and "
+                        "gate/up, copies) against a device-to-host copy"],
+            "not_checked": ["TP gathers, the PP broadcast and the engine-sharded stream (one "
+                            "GPU: TP and PP of 1)"]}
 
 
 def packing_section(state: dict, args) -> dict:
@@ -214,6 +230,10 @@ def packing_section(state: dict, args) -> dict:
     out.update(logp_diff_max=float(diff.max()), logp_diff_mean=float(diff.mean()),
                packed_speedup=out["padded"]["step_s"]["median"] / out["packed"]["step_s"]["median"],
                path="THD (Transformer Engine)" if learner.uses_thd else "block-diagonal mask")
+    out["checked"] = [f"packed rows ({out['path']}) against padded ones: log-probs and step time"]
+    out["not_checked"] = [] if learner.uses_thd else [
+        "THD attention through Transformer Engine (not installed: the block-diagonal mask ran, "
+        "the CPU tests' path)"]
     return out
 
 
@@ -266,15 +286,25 @@ def engine_section(path: Path, state: dict, args) -> dict:
             t0 = time.perf_counter()
             engine.wake(weights_only=True)  # as the trainer does: weights for the sync first
             out["wake_weights_s"] = time.perf_counter() - t0
+            # level 2 dropped the weights: the sync after every sleep writes them again
+            t0 = time.perf_counter()
+            engine.update_weights(iter_hf_tensors(learner.chunks(), learner.spec,
+                                                  bucket_bytes=256 << 20))
+            out["resync_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             engine.wake()
             out["wake_s"] = time.perf_counter() - t0
-            # the weights survived the round trip: the engine's samples still match the learner
+            # after the sleep and the resync the engine's samples still match the learner
             again = engine.generate(prompts[:args.micro], SamplingSpec(n=1, max_new_tokens=16))
             out["logprob_gap_after_wake"] = gap_of(again)
         else:
             out["sleep"] = "not supported here (no GPU)"
         engine.sleep()
+        out["checked"] = ["vLLM's start with the learner offloaded, a weight sync, generation, "
+                          "the train/inference gap" + (", sleep at level 2 and wake, the gap "
+                                                       "after a resync" if engine.supports_sleep
+                                                       else "")]
+        out["not_checked"] = ["several engine replicas and engine TP > 1 (one GPU)"]
     except BaseException:
         engine.shutdown()
         raise
@@ -283,18 +313,35 @@ def engine_section(path: Path, state: dict, args) -> dict:
 
 
 def run_section(name: str, fn, results: dict) -> None:
+    """Run one section; its record says what it checked and what it could not (a skipped or
+    failed section checked nothing: why is its not-checked)."""
     t0 = time.perf_counter()
     try:
         value = fn()
         results[name] = {"status": "ok", **value}
     except _Skip as e:
-        results[name] = {"status": "skipped", "why": str(e)}
+        results[name] = {"status": "skipped", "why": str(e), "checked": [],
+                         "not_checked": [f"all of it: {e}"]}
     except Exception as e:  # noqa: BLE001 - recorded, and the other sections still run
         results[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}",
-                         "traceback": traceback.format_exc()[-3000:]}
+                         "traceback": traceback.format_exc()[-3000:], "checked": [],
+                         "not_checked": [f"all of it: it failed ({type(e).__name__})"]}
     results[name]["wall_s"] = time.perf_counter() - t0
-    print(f"[device_check] {name}: {results[name]['status']} ({results[name]['wall_s']:.1f}s)",
-          flush=True)
+    r = results[name]
+    print(f"[device_check] {name}: {r['status']} ({r['wall_s']:.1f}s)", flush=True)
+    for line in r.get("checked", []):
+        print(f"    checked: {line}", flush=True)
+    for line in r.get("not_checked", []):
+        print(f"    not checked: {line}", flush=True)
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 class _Skip(Exception):
@@ -390,6 +437,11 @@ def main() -> None:
     rows = [[k, v["status"], _headline(k, v)] for k, v in results.items() if isinstance(v, dict)
             and "status" in v]
     print(table(["section", "status", "numbers"], rows))
+    missing = [(k, line) for k, v in results.items() if isinstance(v, dict)
+               for line in v.get("not_checked", [])]
+    print("\nwhat this run could not check:" if missing else "\nevery section checked all of it")
+    for name, line in missing:
+        print(f"  {name}: {line}")
     write_json(args.out, results)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

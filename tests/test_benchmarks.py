@@ -39,6 +39,13 @@ def test_device_check_runs_every_section_it_can(tmp_path):
     assert r["engine"]["generate"]["tokens"] > 0
     assert r["learner_fp8"]["status"] == "skipped" and "GPU" in r["learner_fp8"]["why"]
     assert "section" in proc.stdout  # the table
+    # every section says what it checked and what it could not; the run ends with the latter
+    for name, v in r.items():
+        if isinstance(v, dict) and "status" in v:
+            assert isinstance(v["checked"], list) and isinstance(v["not_checked"], list), name
+            assert v["status"] == "ok" or (not v["checked"] and v["not_checked"]), (name, v)
+    assert "what this run could not check:" in proc.stdout
+    assert "FP8 needs a GPU" in proc.stdout.split("what this run could not check:")[1]
 
 
 def test_paper_miniature_quick_mode_has_a_learning_signal(tmp_path):

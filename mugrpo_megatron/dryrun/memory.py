@@ -316,17 +316,24 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     # a backward): the reference's weights in the learner's storages, its own state on the host
     forward = full_layer_bytes(cfg, spec, tokens) + logits_bytes(tokens, vocab_rows,
                                                                 cfg.model.dtype, r.temperature)
-    transitions = {
-        "start": CUDA_CONTEXT + nccl + engine_awake + learner_while_generating,
-        "sync": resident + learner_at_sync + engine_weights + pools + stream + reload,
-        "generate": resident + engine_awake + learner_while_generating,
-        "evaluate": resident + engine_awake + learner_while_generating,
-        "reference": resident + (params_b if offloaded else state) + forward + engine_asleep,
-        "optimize": resident + state + act + logits + engine_asleep,
-        "save": resident + state + engine_asleep,
+    # each transition's items: the learner's, the engine's ("engine ..."), what no offload frees
+    base = {"CUDA context": CUDA_CONTEXT, "NCCL": nccl}
+    held = {**base, "FP8 caches": fp8_cache}
+    items = {
+        "start": {**base, "engine awake": engine_awake, "learner": learner_while_generating},
+        "sync": {**held, "learner": learner_at_sync, "engine weights": engine_weights,
+                 "engine pools": pools, "stream": stream, "engine reload": reload},
+        "generate": {**held, "engine awake": engine_awake, "learner": learner_while_generating},
+        "evaluate": {**held, "engine awake": engine_awake, "learner": learner_while_generating},
+        "reference": {**held, "learner": params_b if offloaded else state,
+                      "reference forward": forward, "engine asleep": engine_asleep},
+        "optimize": {**held, "learner": state, "activations": act, "logits": logits,
+                     "engine asleep": engine_asleep},
+        "save": {**held, "learner": state, "engine asleep": engine_asleep},
     }
     if not reference:
-        del transitions["reference"]
+        del items["reference"]
+    transitions = {name: sum(parts.values()) for name, parts in items.items()}
     peak_name = max(transitions, key=transitions.get)
     margin = MARGIN * gpu_gib * GIB
     # the run's peak with each recomputation choice (only the optimizer's transition changes)
@@ -353,7 +360,8 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
         "cuda_context": CUDA_CONTEXT, "nccl": nccl, "communicators": comms, "fp8_cache": fp8_cache,
         "engine_weights": engine_weights, "kv_cache": kv, "kv_tokens": kv / kv_per_token,
         "engine": engine_awake, "engine_pools": pools, "stream": stream, "reload": reload,
-        "offloaded": offloaded, "transitions": transitions, "peak_transition": peak_name,
+        "offloaded": offloaded, "transitions": transitions, "transition_items": items,
+        "peak_transition": peak_name,
         "peak": transitions[peak_name], "margin": margin,
         "peak_by_recompute": peak_by_recompute,
         "cheapest_recompute": fitting[0] if fitting else None,
