@@ -292,7 +292,6 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     fp8_cache = 2 * (layers_params + expert_params) if cfg.model.fp8_format else 0.0
     comms = communicators(cfg, dp)
     nccl = NCCL_PER_COMMUNICATOR * sum(comms.values())
-    resident = CUDA_CONTEXT + nccl + fp8_cache
 
     engine_tensors = EngineTensors.of(spec, r.tensor_parallel, cfg.model.dtype)
     engine_weights = engine_tensors.total
