@@ -115,3 +115,79 @@ def test_transformer_engine_is_used_only_when_its_pytorch_part_imports(tmp_path,
     assert transformer_engine_ready() is False  # no GPU: megatron's local layers
     for name in [m for m in sys.modules if m.startswith("transformer_engine")]:
         monkeypatch.delitem(sys.modules, name)
+
+
+# ------------------------------------------------ FP8 extra state across a layout change on resume
+#
+# Transformer Engine keeps each layer's FP8 scaling state (delayed scaling: the scales and amax
+# histories of its GEMMs' inputs, weights and gradients) as the module's ``_extra_state``: a uint8
+# tensor holding a pickle (TE 2.x ``TransformerEngineBaseModule.get_extra_state``), unpickled by
+# TE's ``set_extra_state``. megatron-core's TE layers give it to dist-checkpointing through
+# ``make_sharded_tensors_for_checkpoint`` (``extensions/transformer_engine.py``, 0.16.1 and
+# 0.19.2), which wraps it as a ShardedObject: one copy per layer (the layer's global offset, not
+# the rank's), replica ids (0, tp rank, dp rank), so only TP rank 0 / DP rank 0 of the stage
+# holding the layer writes it and every rank of any layout reads that copy (grouped experts: one
+# copy per global expert index, by ``_split_extra_state``). That is correct only because the
+# amaxes are reduced over TP x DP (``learner/fp8.py``: ``tp_only_amax_red`` False), so every
+# replica holds the same scales. The test runs that path with a TE-format stand-in module (TE
+# needs CUDA, tests/dist/fp8_state_worker.py): each rank's state is made distinct so the copy
+# that comes back is identifiable.
+
+LAYERS, OUT, IN = 2, 4, 3  # as in fp8_state_worker.py
+
+
+@pytest.mark.slow
+def test_fp8_extra_state_is_one_copy_a_layer_and_loads_in_any_layout(tmp_path):
+    """TE's FP8 extra state through megatron-core's sharding and our checkpoint save and load
+    (which refuses code-running pickles: the extra state is a uint8 tensor, so it passes):
+    saved at TP2, PP2 and DP2, loaded at TP1 and across layouts, every rank gets the copy of TP
+    rank 0 / DP rank 0 of the stage that held its layer, and the weights reshard as usual."""
+    import json
+
+    from helpers import ROOT, torchrun
+
+    from mugrpo_megatron.models.tiny import make_tiny_checkpoint
+
+    hf = str(make_tiny_checkpoint(tmp_path / "hf", "llama", seed=0))
+    ck = {name: str(tmp_path / f"ckpt_{name}") for name in ("tp2", "pp2", "dp2")}
+
+    def run(layout, ranks, save, loads):
+        d = tmp_path / f"run_{layout}"
+        d.mkdir()
+        torchrun(ranks, ROOT / "tests" / "dist" / "fp8_state_worker.py", layout, hf, str(d),
+                 save or "-", *loads)
+        return [json.loads((d / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+    saved_pp2 = run("pp2", 2, ck["pp2"], [])
+    saved_tp2 = run("tp2", 2, ck["tp2"], [ck["pp2"]])
+    saved_dp2 = run("dp2", 2, ck["dp2"], [ck["tp2"]])
+    (tp1,) = run("tp1", 1, None, [ck["tp2"], ck["pp2"], ck["dp2"]])
+
+    # the rule itself: a ShardedObject per layer, at the layer's global offset, replicated over TP
+    # and DP (only replica (0, 0, 0) is written)
+    for records, layout in ((saved_tp2, "tp2"), (saved_pp2, "pp2"), (saved_dp2, "dp2")):
+        for r in records:
+            e = r["extra_state"]
+            assert e["type"] == "ShardedObject" and e["global_shape"] == [LAYERS], (layout, e)
+            assert e["global_offset"] == [r["layers"][0]], (layout, e)
+            tp_rank, dp_rank = (r["rank"], 0) if layout == "tp2" else \
+                (0, r["rank"]) if layout == "dp2" else (0, 0)
+            assert e["replica_id"] == [0, tp_rank, dp_rank], (layout, e)
+
+    def full(g):  # fp8_state_worker's weights
+        return (torch.arange(OUT * IN, dtype=torch.float32).view(OUT, IN) + 100 * g).tolist()
+
+    # what comes back: the scale of the rank that held TP rank 0 / DP rank 0 of the layer's stage
+    # (global rank 0 at TP2 and DP2, rank g at PP2), whatever the loading layout
+    want = {ck["tp2"]: [1.0, 2.0], ck["dp2"]: [1.0, 2.0], ck["pp2"]: [1.0, 2.1]}
+    for path, scales in want.items():
+        got = tp1["loads"][path]
+        assert [m["scale"] for m in got] == pytest.approx(scales), (path, got)
+        assert [m["weight"] for m in got] == [full(0), full(1)], path
+    for r in saved_tp2:  # PP2's checkpoint read at TP2: each TP rank its half, the same scales
+        got = r["loads"][ck["pp2"]]
+        assert [m["scale"] for m in got] == pytest.approx([1.0, 2.1]), got
+        assert [m["weight"] for m in got] == [
+            torch.tensor(full(g)).chunk(2)[r["rank"]].tolist() for g in range(LAYERS)]
+    for r in saved_dp2:  # TP2's checkpoint read by two DP replicas: both get TP rank 0's state
+        assert [m["scale"] for m in r["loads"][ck["tp2"]]] == pytest.approx([1.0, 2.0])

@@ -60,8 +60,9 @@ def fp8_kwargs(model: ModelConfig) -> dict[str, Any]:
                          f"{need[0]}.{need[1]} or newer; this GPU has {have[0]}.{have[1]}")
     # tp_only_amax_red stays off (megatron's default): the amax is reduced over TP x DP, so
     # every data-parallel replica quantizes with the same scales, and a checkpoint's FP8 state
-    # (one replica's, restored on all) is every replica's. It costs an all-reduce of a few KB
-    # across DP per microbatch, which every DP rank joins as often as the others because each
+    # (one replica's, TP rank 0 / DP rank 0 of the layer's stage, restored on every rank of any
+    # layout a resume uses: tests/test_fp8.py) is every replica's. It costs an all-reduce of a
+    # few KB across DP per microbatch, which every DP rank joins as often as the others because each
     # runs as many microbatches (Learner._equal_count); that rule is needed anyway for MoE
     # dispatch and context parallelism, so reducing over TP only would buy no safety.
     return {"fp8": model.fp8_format, "fp8_recipe": model.fp8_recipe, "fp8_margin": 0,
