@@ -47,6 +47,13 @@ def corrupt(stream, how, spec):
             name = name.replace("up_proj", "gate_proj")
         elif how == "pad_vocab" and name == "model.embed_tokens.weight":
             t = torch.cat([t, torch.zeros(128 - t.shape[0] % 128, t.shape[1], dtype=t.dtype)])
+        elif how == "permute_experts" and ".experts." in name:
+            # the first and last experts trade places: with EP2 they live on different
+            # expert-parallel ranks, as an export that misplaced a rank's expert offset would
+            # send them (FusedMoE's loader takes each expert by its HF index)
+            last = spec.num_experts - 1
+            name = name.replace(".experts.0.", ".experts.@.").replace(
+                f".experts.{last}.", ".experts.0.").replace(".experts.@.", f".experts.{last}.")
         yield name, t
 
 
@@ -144,7 +151,8 @@ def run_contract(hf_dir: str, out: Path, overrides: list[str], bucket_bytes: int
     sample_and_score("stale")  # the engine still has the old weights: the check must see it
     sync()
     sample_and_score("after_step")
-    for how in ("swap_qkv_groups", "swap_gate_up"):
+    for how in ("swap_qkv_groups", "swap_gate_up",
+                *(("permute_experts",) if learner.spec.is_moe else ())):
         err = sync(how)
         if err is None:
             sample_and_score(how)
