@@ -115,3 +115,32 @@ def test_each_rank_writes_only_its_own_optimizer_shard(setup):
         by_rank[rank] = by_rank.get(rank, 0) + n
     assert sorted(by_rank) == [0, 1], written
     assert max(by_rank.values()) < 0.6 * sum(by_rank.values()), by_rank
+
+
+def test_bf16_optimizer_state_survives_a_layout_change_bit_for_bit(setup):
+    """The same in bf16 training, where the distributed optimizer's fp32 master weights are
+    tensors of their own beside the bf16 model (in fp32 training they are the model's): saved
+    at DP2 (each rank its half of the state, the model-space layout as compat_megatron part 5
+    describes its ranges) and saved again at TP2, the master weights and both moments are the
+    same bits, and the saved bf16 weights are the master weights rounded."""
+    d, hf = setup
+    bf16 = [*COMMON, "model.dtype=bfloat16"]
+    torchrun(2, WORKER, "save", str(hf), str(d / "batch.safetensors"), str(d / "ckpt_bf16"),
+             str(d / "saved_bf16"), "2", *bf16)
+    torchrun(2, WORKER, "resave", str(hf), str(d / "batch.safetensors"), str(d / "ckpt_bf16"),
+             str(d / "resaved_bf16"), "2", *bf16, "parallel.tensor=2")
+    ref, ref_groups = full_state(d / "ckpt_bf16", d / "bf16_ref.pt")
+    got, groups = full_state(d / "resaved_bf16" / "ckpt", d / "bf16_got.pt")
+    optim = {k: v for k, v in ref.items() if k.startswith("optimizer.state.")}
+    assert {k.split(".")[2] for k in optim} == {"fp32_param", "exp_avg", "exp_avg_sq"}
+    assert {g["step"] for g in ref_groups} == {2} and [g["step"] for g in groups] == \
+        [g["step"] for g in ref_groups]
+    for k, v in optim.items():
+        assert v.dtype == torch.float32 and got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    masters = {k.removeprefix("optimizer.state.fp32_param."): v for k, v in optim.items()
+               if k.startswith("optimizer.state.fp32_param.")}
+    model = {k: v for k, v in ref.items() if k in masters}
+    assert model and len(model) == len(masters), sorted(ref)[:10]
+    for k, w in model.items():
+        assert w.dtype == torch.bfloat16 and torch.equal(w, masters[k].to(torch.bfloat16)), k
+        assert torch.equal(got[k], w), k
