@@ -153,8 +153,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
     raise ValueError(f"KL estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
-def sequence_weights(response_mask: torch.Tensor, agg: str, norm: float | None = None
-                     ) -> torch.Tensor:
+def sequence_weights(response_mask: torch.Tensor, agg: str) -> torch.Tensor:
     """``[B, 1]``: what each response's token losses are multiplied by before they are summed and
     divided by ``loss_denominator``: 1 for ``token-mean``, ``seq-mean-token-sum`` and
     ``seq-mean-token-sum-norm``, 1 / (the response's token count) for ``seq-mean-token-mean``.

@@ -142,3 +142,6 @@ def test_a_sync_sends_each_rank_its_shards(results, ranks, job):
         assert mine[0] <= bound and mine[1] <= bound, (rank, mine, bound, kept)
         # the full stream moves (TP - 1) / TP of the projections more on every rank
         assert full[1] - mine[1] >= kept["projections"] * (tp - 1) / tp * 0.99, (rank, full, mine)
+        print(f"rank {rank}: full stream sent {full[0]} B, received {full[1]} B; sharded sent "
+              f"{mine[0]} B, received {mine[1]} B (projections {kept['projections']} B, other "
+              f"{kept['other']} B, TP {tp})")

@@ -71,7 +71,6 @@ def per_sequence(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
     return mb.packed.unpack_values(values) if mb.packed is not None else values
 
 
-
 def build_microbatches(batch: TokenBatch, rows: slice, *, micro_batch_size: int, capacity: int,
                        train: bool, with_ref: bool, equal_count: Callable[[int], int]
                        ) -> list[MicroBatch]:
