@@ -5,6 +5,13 @@ HF tensors (gather only), the time of a full sync into vLLM (reshard + engine lo
 memory copy of the same bytes measured in the same run; medians of --repeats.
 
     torchrun --nproc_per_node 2 benchmarks/learner_and_sync.py --tp 2 --sizes h512 --out r.json
+    torchrun --nproc_per_node 2 benchmarks/learner_and_sync.py --tp 2 --engine-tp 2 --out r.json
+
+With ``--engine-tp`` equal to ``--tp`` (vLLM spmd: each rank an engine TP rank, as the 7B and 70B
+configs run) the trainer's sync streams each rank its own shards (``handoff.engine_sharded``);
+the run then times both streams into the same engine, interleaved: the full tensors (every TP
+gather, as before) and each rank's shards (the bytes each rank then moves are counted by
+tests/test_collectives.py). GB/s are of the model's bytes either way.
 
 One model size per process: vLLM's shutdown tears down process-group state that a second
 learner in the same process would need.
@@ -26,6 +33,7 @@ from common import random_batch, summarize, table, write_json  # noqa: E402
 
 from mugrpo_megatron.config.loader import load_config  # noqa: E402
 from mugrpo_megatron.engines.fleet import EngineFleet  # noqa: E402
+from mugrpo_megatron.handoff import engine_sharded  # noqa: E402
 from mugrpo_megatron.learner.export import iter_hf_tensors  # noqa: E402
 from mugrpo_megatron.learner.learner import Learner  # noqa: E402
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint  # noqa: E402
@@ -39,6 +47,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--engine-tp", type=int, default=1,
+                    help="the engine's TP size (rollout.tensor_parallel); = --tp: shards only")
     ap.add_argument("--sizes", default="h512", help=f"comma-separated, of {', '.join(SIZES)}")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
@@ -58,12 +68,15 @@ def main() -> None:
                                  f"parallel.tensor={args.tp}", f"parallel.pipeline={args.pp}",
                                  "parallel.micro_batch_size=8", "parallel.distributed_optimizer=false",
                                  "algo.samples_per_update=32", "algo.total_updates=8",
-                                 "algo.updates_per_phase=4", "optim.lr=1e-5"])
+                                 "algo.updates_per_phase=4", "optim.lr=1e-5",
+                                 f"rollout.tensor_parallel={args.engine_tp}"])
         learner = Learner.from_config(cfg)
+        sharded = engine_sharded(cfg.rollout, learner)
+        bucket = cfg.rollout.weight_bucket_mb << 20
         engines = EngineFleet.start(cfg.rollout, path, dtype="float32", max_model_len=256)
         batch = random_batch(32, 32, 96, 4000)
         learner.train_step(batch)  # warm-up
-        step_s, reshard_s, sync_s, copy_s = [], [], [], []
+        step_s, reshard_s, sync_s, copy_s, sharded_s = [], [], [], [], []
         nbytes = sum(t.numel() * t.element_size() for _, t in
                      iter_hf_tensors(learner.chunks(), learner.spec))
         # the reference copy: the same bytes between two buffers that are already paged in, as
@@ -79,8 +92,15 @@ def main() -> None:
             reshard_s.append(time.perf_counter() - t0)
             dist.barrier()
             t0 = time.perf_counter()
-            engines.update_weights(iter_hf_tensors(learner.chunks(), learner.spec))  # raises
+            engines.update_weights(iter_hf_tensors(learner.chunks(), learner.spec,
+                                                   bucket_bytes=bucket))  # raises
             sync_s.append(time.perf_counter() - t0)
+            if sharded:
+                dist.barrier()
+                t0 = time.perf_counter()
+                engines.update_weights(iter_hf_tensors(learner.chunks(), learner.spec,
+                                                       bucket_bytes=bucket, engine_sharded=True))
+                sharded_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             dst.copy_(src)
             copy_s.append(time.perf_counter() - t0)
@@ -92,15 +112,23 @@ def main() -> None:
         res["sync_gb_s"] = nbytes / 1e9 / res["sync_s"]["median"]
         res["reshard_gb_s"] = nbytes / 1e9 / res["reshard_s"]["median"]
         res["memcpy_gb_s"] = nbytes / 1e9 / res["memcpy_s"]["median"]
+        res["engine_sharded"] = sharded
+        sharded_gb_s = float("nan")
+        if sharded:
+            res["sync_sharded_s"] = summarize(sharded_s)
+            sharded_gb_s = res["sync_sharded_gb_s"] = nbytes / 1e9 / res["sync_sharded_s"]["median"]
         results[name] = res
         rows.append([name, f"{res['params'] / 1e6:.1f}M", f"{nbytes / 1e6:.0f}MB",
-                     res["tokens_per_s"], res["reshard_gb_s"], res["sync_gb_s"], res["memcpy_gb_s"],
-                     res["sync_gb_s"] / res["memcpy_gb_s"]])
+                     res["tokens_per_s"], res["reshard_gb_s"], res["sync_gb_s"], sharded_gb_s,
+                     res["memcpy_gb_s"], res["sync_gb_s"] / res["memcpy_gb_s"],
+                     sharded_gb_s / res["memcpy_gb_s"]])
     if dist.get_rank() == 0:
-        print(f"layout TP{args.tp} PP{args.pp} (world {dist.get_world_size()})")
+        print(f"layout TP{args.tp} PP{args.pp} (world {dist.get_world_size()}), engine TP "
+              f"{args.engine_tp}")
         print(table(["model", "params", "fp32 bytes", "train tok/s", "reshard GB/s", "sync GB/s",
-                     "memcpy GB/s", "sync/memcpy"], rows))
-        write_json(args.out, {"layout": {"tp": args.tp, "pp": args.pp}, "results": results})
+                     "sharded sync GB/s", "memcpy GB/s", "sync/memcpy", "sharded/memcpy"], rows))
+        write_json(args.out, {"layout": {"tp": args.tp, "pp": args.pp,
+                                         "engine_tp": args.engine_tp}, "results": results})
     dist.barrier()
     engines.shutdown()
 
