@@ -24,7 +24,7 @@ from mugrpo_megatron import distributed, run_dir
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.config.loader import to_dict
 from mugrpo_megatron.data import load_eval_sets
-from mugrpo_megatron.data.prompt_store import open_prompt_set
+from mugrpo_megatron.data.prompt_store import discard_staging, open_prompt_set
 from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.engines.fleet import EngineFailed, EngineFleet
 from mugrpo_megatron.evaluation import reported_k, score_eval, set_sampling
@@ -72,9 +72,9 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.progress = Progress(enabled=self.rank0 and cfg.logging.progress)
         # the data first, before megatron's groups, the model and the engines: the held-out
-        # sets on every rank; the training prompts tokenized once, by rank 0, into the run
-        # directory (``inputs.prepare_data`` did it before any process group), every rank
-        # reading them from there as a phase needs them (collective)
+        # sets on every rank; the training prompts tokenized once, by rank 0 (``inputs.
+        # prepare_data`` did it before any process group, beside the run directory) and moved
+        # into it, every rank reading them from there as a phase needs them (collective)
         self.eval_sets = {name: prompts for name, (prompts, _) in
                           load_eval_sets(cfg.data, self.tokenizer).items()}
         self.prompts = open_prompt_set(
@@ -437,14 +437,22 @@ def train(cfg: Config, start: str) -> int:
     gave ``start``) are checked on every rank: the default group, the ranks' agreement on the
     run directory before any model, engine or data, then the run. Returns the exit status; a
     failure the user can act on is printed, not raised."""
+    made: list[Path] = []
     if int(os.environ.get("RANK", "0")) == 0:  # before any process group (``inputs``)
         try:
-            prepare_data(cfg, start)
+            made = prepare_data(cfg, start)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 2
     distributed.init_default_group(cfg.parallel.timeout_minutes)
-    start = run_dir.agree(cfg, start)
+    try:
+        start = run_dir.agree(cfg, start)
+    except ValueError:
+        if dist.get_rank() == 0:  # the ranks see different directories: leave none of ours
+            discard_staging(Path(cfg.logging.run_dir), made)
+        raise
+    if start == "replace":  # --overwrite, now that every rank sees the directory it replaces
+        on_rank0(run_dir.replace_run, cfg)
     trainer = None
     try:
         trainer = Trainer(cfg, start)

@@ -14,7 +14,7 @@ from pathlib import Path
 from mugrpo_megatron import run_dir
 from mugrpo_megatron.config.loader import load_config
 from mugrpo_megatron.data import load_eval_sets, load_prompts
-from mugrpo_megatron.data.prompt_store import prompt_key, prompt_paths
+from mugrpo_megatron.data.prompt_store import prompt_key, prompt_paths, staging_dir
 from mugrpo_megatron.inputs import check_rewards, prepare_data
 from mugrpo_megatron.rewards import RewardScorer, RowInfo
 
@@ -43,8 +43,10 @@ def test_verl_layout_example_fits_together(tmp_path):
     cfg = load_config(config, moved(config.read_text(), out))
     check_rewards(cfg)
     prepare_data(cfg, run_dir.check(cfg, overwrite=False))
-    path, done = prompt_paths(Path(cfg.logging.run_dir), prompt_key(cfg))
+    # tokenized beside the run directory, which stays empty until the ranks agree on it
+    path, done = prompt_paths(staging_dir(Path(cfg.logging.run_dir)), prompt_key(cfg))
     assert done.is_file() and path.is_file()
+    assert not Path(cfg.logging.run_dir).exists()
 
     from transformers import AutoTokenizer
 

@@ -221,3 +221,4 @@ def test_a_bad_input_stops_train_before_any_process_group_and_writes_nothing(tmp
         assert main(["train", *base, *args]) == 2
         assert message in capsys.readouterr().err
         assert not run.exists() and not dist.is_initialized()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "hf"]

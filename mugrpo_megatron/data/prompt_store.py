@@ -20,9 +20,11 @@ fingerprint (file, fields, template, chat template, limits, the data file's cont
 model directory's config and tokenizer files' content hashes, and this format's version. A
 resumed run finds its file and reuses it; any change that would change a token is another file.
 
-Who does what (``open_prompt_set``, collective): rank 0 reads the data set as a stream, checks,
-tokenizes and writes it a chunk at a time, with progress; the other ranks wait in one collective,
-which also carries rank 0's error (a bad row, a missing column) to every rank. Then every rank
+Who does what: rank 0 reads the data set as a stream, checks, tokenizes and writes it a chunk at
+a time, with progress, before any process group exists (``inputs.prepare_data``), into a staging
+directory beside the run directory (``staging_dir``: nothing goes into the run directory before
+every rank agreed it sees the same one), and moves it in once they have (``open_prompt_set``,
+collective; the other ranks wait in one collective, which also carries rank 0's error). Then every rank
 opens the file: it reads the footer and each batch's header (where each column's buffers are)
 and nothing per prompt (a prompt's batch is found by bisection). A prompt is read with ``pread``
 through the page cache (one read of 8 bytes and one of its tokens for its token ids, seven
@@ -91,12 +93,46 @@ def prompt_paths(run_dir: Path, key: str) -> tuple[Path, Path]:
     return base.with_suffix(".arrow"), base.with_suffix(".json")
 
 
+def staging_dir(run_dir: Path) -> Path:
+    """Where rank 0 writes the prompt file before any process group exists (``inputs``): beside
+    the run directory, not in it, so that nothing is in ``run_dir`` before every rank agreed it
+    sees the same one (``run_dir.agree``); on the same file system, so that moving the file in
+    (``open_prompt_set``) is a rename."""
+    return run_dir.parent / f".{run_dir.name}.mugrpo-staging"
+
+
+def discard_staging(run_dir: Path, made: Sequence[Path] = ()) -> None:
+    """Remove the staged prompt files and the staging directory, then the directories of
+    ``made`` (deepest first) that are empty: what a start that stops before agreeing leaves."""
+    staging = staging_dir(run_dir)
+    for f in sorted((staging / "prompts").glob("train_*")):
+        f.unlink()
+    for d in (staging / "prompts", staging, *made):
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+
+
+def _promote(run_dir: Path, key: str) -> bool:
+    """Move a complete staged prompt file into ``run_dir`` (the file, then its record); False
+    when none is staged."""
+    staged, staged_done = prompt_paths(staging_dir(run_dir), key)
+    if not staged_done.is_file():
+        return False
+    path, done = prompt_paths(run_dir, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(staged, path)
+    os.replace(staged_done, done)
+    discard_staging(run_dir)
+    return True
+
+
 def open_prompt_set(cfg: Config, run_dir: Path, tokenizer: Tokenizer,
                     note: Callable[[str], None] = lambda _: None, bar=None,
                     other_sources: Sequence[str] = ()) -> PromptSet:
-    """The run's training prompts (collective: every rank calls it): rank 0 tokenizes the data
-    set into the run directory unless a complete file for this data and tokenizer is there
-    already; every rank then opens it. ``note`` and ``bar(desc, total)`` report on rank 0.
+    """The run's training prompts (collective: every rank calls it): rank 0 moves the file
+    ``inputs.prepare_data`` staged into the run directory, or tokenizes the data set there,
+    unless a complete file for this data and tokenizer is there already; every rank then opens
+    it. ``note`` and ``bar(desc, total)`` report on rank 0.
     ``other_sources``: the held-out sets', which ``reward.by_source`` may name too."""
     key = prompt_key(cfg) if world()[0] == 0 else ""
     path, done = prompt_paths(run_dir, key)
@@ -104,6 +140,8 @@ def open_prompt_set(cfg: Config, run_dir: Path, tokenizer: Tokenizer,
     def build() -> str:
         if done.is_file():
             note(f"prompts: reusing {path}")
+        elif _promote(run_dir, key):
+            note(f"prompts: {path} (tokenized before the process groups)")
         else:
             write_prompt_file(cfg, tokenizer, path, done, bar, other_sources=other_sources)
         return str(path)

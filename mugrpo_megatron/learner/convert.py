@@ -51,6 +51,13 @@ def convert(to: str, source: str | None, out: str, *, tp: int, pp: int, ep: int,
         hf_to_megatron(Path(source), Path(out), parallel, dtype)
     else:
         megatron_to_hf(Path(source), Path(out), parallel, dtype)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        # every rank is done (both end in a barrier): the groups go before the process does, so
+        # that no gloo thread is left running at exit (a rank of a TP2 x PP2 conversion on a
+        # loaded machine once aborted there: 'terminate called without an active exception')
+        dist.destroy_process_group()
 
 
 def hf_to_megatron(hf_dir: Path, out: Path, parallel: ParallelConfig, dtype: str) -> None:
