@@ -47,8 +47,8 @@ SAFE_TO_CHANGE = (
     "rollout.gpu_memory_utilization", "rollout.cpu_kv_cache_gib", "rollout.sleep_between_phases",
     "rollout.weight_bucket_mb", "rollout.mismatch_check_samples", "rollout.shard_prompts",
     "rollout.max_inflight_prompts", "rollout.max_num_seqs", "reward.num_workers", "reward.batch_responses",
-    "reward.timeout_s", "checkpoint.save_every_updates", "checkpoint.keep_last",
-    "checkpoint.resume", "checkpoint.export_hf", "model.recompute", "eval.",
+    "reward.timeout_s", "checkpoint.save_every_updates", "checkpoint.save_at_phase_end",
+    "checkpoint.keep_last", "checkpoint.resume", "checkpoint.export_hf", "model.recompute", "eval.",
 )
 """Config keys (or key prefixes) that a resumed run may change: how the work is laid out and
 logged, not what it computes. The distributed optimizer's sharding is checked when a checkpoint

@@ -324,7 +324,11 @@ class Trainer:
         self.state.ended.append(PhaseEnd(phase.index, phase.first_update, done, rec.end,
                                          data.positions_used))
         self.state.drift_window = []
-        rec.save_seconds = t_save + self.save(phase.first_update + done, phase.index)
+        end, ck = phase.first_update + done, self.cfg.checkpoint
+        if (ck.save_at_phase_end or end >= self.cfg.algo.total_updates
+                or (ck.save_every_updates and end % ck.save_every_updates == 0)):
+            t_save += self.save(end, phase.index)
+        rec.save_seconds = t_save
 
     def save(self, update: int, phase: int) -> float:
         """A checkpoint at ``update`` with the schedule's state (the phases that ended, the

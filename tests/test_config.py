@@ -74,6 +74,13 @@ def test_bad_values_name_the_key(override, message):
         load_config(None, [override])
 
 
+def test_saves_off_the_phase_ends_need_fixed_length_phases():
+    assert not load_config(None, ["checkpoint.save_at_phase_end=false"]).checkpoint.save_at_phase_end
+    with pytest.raises(ValueError, match=r"checkpoint\.save_at_phase_end: false needs phases of a "
+                                         r"fixed length, and algo\.max_drift ends them"):
+        load_config(None, ["checkpoint.save_at_phase_end=false", "algo.max_drift=0.05"])
+
+
 def test_unknown_key_in_yaml_file(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("reward:\n  timeout: 3\n")

@@ -285,6 +285,39 @@ def test_sigkill_mid_optimization_then_resume(setup):
     assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
 
 
+# GRPO's schedule at scale: many short phases, saves by the update interval alone (4 here:
+# inside phase 1 and phase 2, and the run's last update), none at the other phase ends.
+INTERVAL_SAVES = {"checkpoint.save_at_phase_end": "false", "checkpoint.save_every_updates": 4}
+
+
+def test_saves_by_the_interval_alone_and_a_resume_replays_from_the_phases_on_disk(setup):
+    """checkpoint.save_at_phase_end: false: killed once phase 2 has generated, the last save is
+    at update 4, inside phase 1; the resume replays updates 4-5 from phase 1's rollouts and goes
+    on with phase 2's, generating nothing again, to the uninterrupted run's losses."""
+    d, hf, ref = setup
+    run = d / "interval_saves"
+    index2 = run / "rollouts" / "phase_0002" / "index.arrow"
+    kill_when(hf, run, index2.exists, extra=INTERVAL_SAVES)
+    assert sorted(p.name for p in (run / "checkpoints").glob("update_*")) == ["update_0000004"]
+    generated = {p.parent.name: p.stat().st_mtime_ns
+                 for p in (run / "rollouts").glob("phase_*/index.arrow")}
+    assert len(generated) == 3
+    run_to_end(hf, run, INTERVAL_SAVES)
+    for phase, mtime in generated.items():
+        assert (run / "rollouts" / phase / "index.arrow").stat().st_mtime_ns == mtime, phase
+    assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
+    # the resume's saves: update 8 (inside phase 2) and the run's last, 9
+    assert sorted(p.name for p in (run / "checkpoints").glob("update_*")) == [
+        "update_0000008", "update_0000009"]
+    saved: dict[int, list[bool]] = {}  # each phase record's "saved anything", in log order
+    for r in records(run):
+        if r["kind"] == "phase":
+            saved.setdefault(r["phase"], []).append(r["save_seconds"] > 0)
+    # phase 0 ends at 3, off the interval; phase 1 saved at 4 before the kill, and its replay
+    # (updates 4-5, ending at 6) nothing
+    assert saved == {0: [False], 1: [True, False], 2: [True]}, saved
+
+
 # A drift bound this tiny run crosses at once: update 0 of a phase has the fp32 gap (~1e-7), the
 # next the drift of one update at lr 1e-3 (~1e-2), so the mean of two reaches 1e-3 at the second
 # update of every phase. Checkpoints after every update, for the kills below.

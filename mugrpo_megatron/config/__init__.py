@@ -89,6 +89,13 @@ class Config:
                              f"must be below rollout.max_new_tokens "
                              f"({self.rollout.max_new_tokens}): the punishment starts that many "
                              f"tokens before the limit")
+        if not self.checkpoint.save_at_phase_end and self.algo.max_drift is not None:
+            raise ValueError(
+                "checkpoint.save_at_phase_end: false needs phases of a fixed length, and "
+                "algo.max_drift ends them where the updates' drift says: a resume from inside a "
+                "phase would replay that decision, which on GPUs need not come out the same, and "
+                "the next phase's rollouts on disk were planned from the first one. Keep "
+                "save_at_phase_end: true with max_drift")
         pack = self.parallel.pack_tokens
         if pack != "auto" and 0 < pack < self.max_sequence_tokens:
             raise ValueError(f"parallel.pack_tokens: {pack} tokens cannot hold the longest "

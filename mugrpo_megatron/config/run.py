@@ -182,7 +182,16 @@ class CheckpointConfig(Section):
     _name: ClassVar[str] = "checkpoint"
 
     save_every_updates: int = 256
-    """Save the learner every this many updates (and at each phase end); 0 saves only at phase ends."""
+    """Save the learner every this many updates, inside a phase or at its end (verl
+    trainer.save_freq, slime --save-interval, NeMo-RL checkpointing.save_period count steps
+    alike); 0: no such saves. The run's last update is always saved."""
+    save_at_phase_end: bool = True
+    """Also save at every phase end, so a resume never replays a finished phase's updates. Turn
+    it off for schedules of many short phases: GRPO mu = 4 ends a phase every 4 updates, and a
+    save at 70B writes ~1 TB (bf16 weights, fp32 master weights and Adam moments), 1024 times a
+    run of 4096 updates. Off, a resume starts from the last ``save_every_updates`` save and
+    replays the updates since then from the phases on disk (nothing is generated again);
+    fixed-length phases only (not with ``algo.max_drift``)."""
     keep_last: int = 2
     """Learner checkpoints kept in the run directory; older ones are deleted."""
     resume: bool = True

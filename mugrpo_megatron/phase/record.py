@@ -76,7 +76,8 @@ class PhaseRecord:
     """Reading the updates' rows from the shards (inside optimize_seconds)."""
     eval_seconds: float | None = None
     save_seconds: float = 0.0
-    """Checkpoints saved in the phase (``checkpoint.save_every_updates``, and at its end)."""
+    """Checkpoints saved in the phase (``checkpoint.save_every_updates``, and at its end with
+    ``checkpoint.save_at_phase_end``)."""
     skipped_updates: int = 0
     passes: float = 0.0
     """Passes over the phase's train rows that its updates made."""
