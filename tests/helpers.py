@@ -189,11 +189,12 @@ def run_until_done(cmd: list[str], log_path: Path, expect: int = 0, env: dict | 
     return log_path.read_text()
 
 
-def kill_when_ready(cmd: list[str], log_path: Path, ready, timeout: int = 600) -> None:
+def kill_when_ready(cmd: list[str], log_path: Path, ready, timeout: int = 600,
+                    env: dict | None = None) -> None:
     """Start ``cmd`` and SIGKILL it and everything it started as soon as ``ready()`` holds."""
     import time
 
-    proc = launch(cmd, log_path)
+    proc = launch(cmd, log_path, env)
     deadline = time.monotonic() + timeout
     try:
         while not ready():

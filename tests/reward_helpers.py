@@ -1,6 +1,13 @@
 """Module-level reward functions for the scorer tests (workers import them by path)."""
 
+import os
 import time
+
+SLOW_ENV = "MUGRPO_TEST_SLOW_REWARD"
+"""Seconds the digit rewards sleep a response, set in the environment of a run a test kills
+while it scores (``SLOW``); unset, they score at once (runs that are not killed mid-generation
+need not wait: the rewards, and so every loss, are the same)."""
+SLOW = {SLOW_ENV: "0.15"}
 
 
 def sleepy_reward(completion: str, answer: str) -> float:
@@ -18,10 +25,9 @@ def broken_reward(completion: str, answer: str) -> float:
 
 
 def slow_digits_reward(completion: str, answer: str) -> float:
-    """A reward a random tiny model can earn (it emits digits now and then), slow enough that a
-    test can kill a run while it scores."""
-    time.sleep(0.15)
-    return float(sum(ch.isdigit() for ch in completion) >= 2)
+    """A reward a random tiny model can earn (it emits digits now and then), slow enough, with
+    ``SLOW`` in the run's environment, that a test can kill the run while it scores."""
+    return _digits(completion)
 
 
 def echo_reward(completion: str, answer: str):
@@ -32,7 +38,7 @@ def echo_reward(completion: str, answer: str):
 
 
 def _digits(completion: str) -> float:
-    time.sleep(0.15)  # slow enough that a test can kill a run while it scores
+    time.sleep(float(os.environ.get(SLOW_ENV, 0)))  # a test kills the run while it scores
     return float(sum(ch.isdigit() for ch in completion) >= 2)
 
 

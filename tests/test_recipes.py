@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 from helpers import ROOT, eos_prone, kill_when_ready, records, run_until_done, train_command
+from reward_helpers import SLOW
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 from mugrpo_megatron.phase.data import REFERENCE_FILE, PhaseData
@@ -89,7 +90,7 @@ def test_kl_to_the_behaviour_policy_and_refill_killed_in_a_refill_round(setup):
     sets = {**base, "algo.kl_coef": 0.1, "algo.kl_target": "behaviour",
             "algo.kl_estimator": "k2", "algo.uniform_groups": "refill",
             "algo.max_refill_rounds": 3, "reward.batch_responses": 1,
-            "rollout.shard_prompts": 1}  # a shard a group, ~0.6 s apart: a kill falls between
+            "rollout.shard_prompts": 1}  # a shard a group, ~0.6 s apart with SLOW: a kill falls between
     ref = d / "refill"
     run_until_done(train_command({**sets, "logging.run_dir": ref}), d / "refill.log")
     phases = [r for r in records(ref) if r["kind"] == "phase"]
@@ -112,7 +113,7 @@ def test_kl_to_the_behaviour_policy_and_refill_killed_in_a_refill_round(setup):
         pytest.skip("phase 0 needed no refill at this seed")  # the kill needs a refill round
     run = d / "refill_killed"
     cmd = train_command({**sets, "logging.run_dir": run})
-    kill_when_ready(cmd, d / "refill_killed.log", lambda: refill_started(run))
+    kill_when_ready(cmd, d / "refill_killed.log", lambda: refill_started(run), env=SLOW)
     assert not (phase_dir(run, 0) / "index.arrow").exists(), "killed too late"
     kept = {p.name: p.stat().st_mtime_ns for p in phase_dir(run, 0).glob("shard_*.arrow")}
     run_until_done(cmd, d / "refill_killed.log")

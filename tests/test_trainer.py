@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import ROOT, cli_under_torchrun, descendants, kill_tree, records, set_args
+from reward_helpers import SLOW
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 from mugrpo_megatron.phase.data import REFERENCE_FILE, PhaseData
@@ -58,10 +59,10 @@ def run_to_end(hf, run_dir, extra=None, env=None, expect=0):
     return log_path.read_text()
 
 
-def kill_when(hf, run_dir, ready, timeout=600, extra=None):
+def kill_when(hf, run_dir, ready, timeout=600, extra=None, env=None):
     """Start a run and SIGKILL its whole process group as soon as ``ready()`` holds."""
     with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:
-        proc = start(hf, run_dir, log, extra)
+        proc = start(hf, run_dir, log, extra, env)
         deadline = time.monotonic() + timeout
         while not ready():
             assert proc.poll() is None, "the run ended before the kill point"
@@ -243,45 +244,37 @@ def test_packed_training_is_checked_once_and_broken_packing_stops_the_run(setup)
     assert not any(r["kind"] == "update" for r in records(d / "leaky"))
 
 
-@pytest.mark.parametrize("before,after", [("spmd", "rank0"), ("rank0", "spmd")])
-def test_sigkill_mid_generation_then_resume_with_other_replicas(setup, before, after):
-    """Killed while generating with 2 engine replicas and resumed with 1 (placement spmd, then
-    rank0), and the reverse: the shards on disk are kept as they are, only the missing groups
-    are generated, and every sample (so every loss) equals the uninterrupted run's."""
+def test_sigkill_mid_generation_then_resume_with_other_replicas(setup):
+    """Killed while generating phase 1 with 2 engine replicas (placement spmd) and resumed with
+    1 (rank0), which is killed in turn while generating phase 2 and resumed with 2 again: the
+    shards on disk are kept as they are, only the missing groups are generated, and every
+    sample (so every loss) equals the uninterrupted run's."""
     d, hf, ref = setup
-    run = d / f"killed_in_generation_{before}"
-    phase1 = run / "rollouts" / "phase_0001"
-    # one reward worker, one response a task: shards land ~1 s apart, so the kill falls between
-    kill_when(hf, run, lambda: any(phase1.glob("shard_*.arrow")),
-              extra={"rollout.placement": before, "reward.num_workers": 1,
-                     "reward.batch_responses": 1})
-    assert not (phase1 / "index.arrow").exists(), "killed too late: phase 1 finished generating"
-    kept = {p.name: p.stat().st_mtime_ns for p in phase1.glob("shard_*.arrow")}
-    run_to_end(hf, run, {"rollout.placement": after})
-    for name, mtime in kept.items():  # finished work was not redone
-        assert (phase1 / name).stat().st_mtime_ns == mtime, name
-    phase = [r for r in records(run) if r["kind"] == "phase" and r["phase"] == 1][-1]
-    assert phase["engine_replicas"] == (1 if after == "rank0" else 2)
-    assert phase["generated_groups"] == 8 - 2 * len(kept)  # shards of 2 groups
-    # the same samples as the uninterrupted run, whichever replica drew them and when
-    got, want = phase_samples(run, 1), phase_samples(ref, 1)
-    assert len(got) == len(want) == 32
-    for (p, r, lp, reward), (p_ref, r_ref, lp_ref, reward_ref) in zip(got, want):
-        assert np.array_equal(p, p_ref) and np.array_equal(r, r_ref) and reward == reward_ref
-        assert np.allclose(lp, lp_ref, rtol=0, atol=1e-5)
-    assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
-
-
-def test_sigkill_mid_optimization_then_resume(setup):
-    d, hf, ref = setup
-    run = d / "killed_in_optimization"
-    final1 = run / "rollouts" / "phase_0001" / "index.arrow"
-    kill_when(hf, run, lambda: (run / "metrics.jsonl").exists() and any(
-        r["kind"] == "update" and r["update"] == 4 for r in records(run)))
-    assert final1.exists()
-    generated_at = final1.stat().st_mtime_ns
-    run_to_end(hf, run)
-    assert final1.stat().st_mtime_ns == generated_at, "phase 1 was generated again"
+    run = d / "killed_in_generation"
+    kept = {}
+    for phase, placement in ((1, "spmd"), (2, "rank0")):
+        directory = run / "rollouts" / f"phase_{phase:04d}"
+        # one reward worker, one slow response a task: shards land ~1 s apart, so the kill
+        # falls between
+        kill_when(hf, run, partial(lambda dd: any(dd.glob("shard_*.arrow")), directory),
+                  extra={"rollout.placement": placement, "reward.num_workers": 1,
+                         "reward.batch_responses": 1}, env=SLOW)
+        assert not (directory / "index.arrow").exists(), f"killed too late: phase {phase} ended"
+        kept[phase] = {p: p.stat().st_mtime_ns for p in directory.glob("shard_*.arrow")}
+    run_to_end(hf, run, {"rollout.placement": "spmd"})
+    for shards in kept.values():  # finished work was not redone
+        for path, mtime in shards.items():
+            assert path.stat().st_mtime_ns == mtime, path
+    last = {r["phase"]: r for r in records(run) if r["kind"] == "phase"}
+    for phase, replicas in ((1, 1), (2, 2)):  # resumed by rank0's one replica, then spmd's two
+        assert last[phase]["engine_replicas"] == replicas, last[phase]
+        assert last[phase]["generated_groups"] == 8 - 2 * len(kept[phase])  # shards of 2 groups
+        # the same samples as the uninterrupted run, whichever replica drew them and when
+        got, want = phase_samples(run, phase), phase_samples(ref, phase)
+        assert len(got) == len(want) == 32
+        for (p, r, lp, reward), (p_ref, r_ref, lp_ref, reward_ref) in zip(got, want):
+            assert np.array_equal(p, p_ref) and np.array_equal(r, r_ref) and reward == reward_ref
+            assert np.allclose(lp, lp_ref, rtol=0, atol=1e-5)
     assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
 
 
@@ -290,12 +283,13 @@ def test_sigkill_mid_optimization_then_resume(setup):
 INTERVAL_SAVES = {"checkpoint.save_at_phase_end": "false", "checkpoint.save_every_updates": 4}
 
 
-def test_saves_by_the_interval_alone_and_a_resume_replays_from_the_phases_on_disk(setup):
-    """checkpoint.save_at_phase_end: false: killed once phase 2 has generated, the last save is
-    at update 4, inside phase 1; the resume replays updates 4-5 from phase 1's rollouts and goes
-    on with phase 2's, generating nothing again, to the uninterrupted run's losses."""
+def test_sigkill_mid_optimization_then_resume_from_inside_a_phase(setup):
+    """Saves by the interval alone (checkpoint.save_at_phase_end: false). Killed once phase 2
+    has generated, the last save is at update 4, inside phase 1; the resume replays updates 4-5
+    from phase 1's rollouts and goes on with phase 2's, generating nothing again, to the
+    uninterrupted run's losses."""
     d, hf, ref = setup
-    run = d / "interval_saves"
+    run = d / "killed_in_optimization"
     index2 = run / "rollouts" / "phase_0002" / "index.arrow"
     kill_when(hf, run, index2.exists, extra=INTERVAL_SAVES)
     assert sorted(p.name for p in (run / "checkpoints").glob("update_*")) == ["update_0000004"]
@@ -355,20 +349,22 @@ def test_drift_bound_ends_phases_and_resumes_where_it_ended(setup):
     plan = json.loads((ref / "rollouts" / "phase_0001" / "plan.json").read_text())
     assert plan == {"index": 1, "first_update": 2, "max_updates": 3, "planned_updates": 2,
                     "prompt_start": 8, "num_prompts": 6}
-    for name, ready in [
-        ("drift_killed_after_end",  # phase 0's record is written after its phase-end save
-         lambda run: any(r["kind"] == "phase" for r in whole_records(run))),
-        ("drift_killed_mid_phase",  # after phase 1's first update: its window holds one value
-         lambda run: (run / "checkpoints" / "update_0000003" / "state.json").exists())]:
-        run = d / name
-        kill_when(hf, run, partial(ready, run), extra=DRIFT)
-        generated = {p.parent.name: p.stat().st_mtime_ns
-                     for p in (run / "rollouts").glob("phase_*/index.arrow")}
-        run_to_end(hf, run, DRIFT)
-        assert phase_ends(run) == ends, name
-        assert losses(run) == pytest.approx(losses(ref), abs=1e-6), name
-        for phase, mtime in generated.items():
-            assert (run / "rollouts" / phase / "index.arrow").stat().st_mtime_ns == mtime
+    # one run killed twice: right after phase 0 ended early (its record and checkpoint on
+    # disk), then, resumed, right after phase 1's first update (a checkpoint whose drift window
+    # the next resume must carry on)
+    run = d / "drift_killed"
+    generated = {}
+    for ready in (lambda: any(r["kind"] == "phase" for r in whole_records(run)),
+                  (run / "checkpoints" / "update_0000003" / "state.json").exists):
+        kill_when(hf, run, ready, extra=DRIFT)
+        for path in (run / "rollouts").glob("phase_*/index.arrow"):  # as first seen
+            generated.setdefault(path, path.stat().st_mtime_ns)
+    assert len(generated) == 2, generated  # phases 0 and 1 generated before the second kill
+    run_to_end(hf, run, DRIFT)
+    assert phase_ends(run) == ends
+    assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
+    for path, mtime in generated.items():
+        assert path.stat().st_mtime_ns == mtime, path
 
 
 # Put into every process of a run through PYTHONPATH; acts in rank 1 only.

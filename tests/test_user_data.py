@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers import kill_when_ready, records, run_until_done, train_command
+from reward_helpers import SLOW
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 from mugrpo_megatron.phase.data import PhaseData
@@ -133,7 +134,7 @@ def test_sigkill_mid_generation_resumes_with_the_same_prompts(setup):
     run = d / "killed"
     phase1 = phase_dir(run, 1)
     cmd = train_command({**sets, "logging.run_dir": run})
-    kill_when_ready(cmd, d / "killed.log", lambda: any(phase1.glob("shard_*.arrow")))
+    kill_when_ready(cmd, d / "killed.log", lambda: any(phase1.glob("shard_*.arrow")), env=SLOW)
     assert not (phase1 / "index.arrow").exists(), "killed too late"
     kept = {p.name: p.stat().st_mtime_ns for p in phase1.glob("shard_*.arrow")}
     run_until_done(cmd, d / "killed.log")
