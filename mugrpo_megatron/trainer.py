@@ -307,8 +307,8 @@ class Trainer:
             value = step.metrics.get("abs_log_ratio_mean")
             stop = not step.skipped and value is not None and drift.observe(mb.step_in_phase, value)
             self.state.drift_window = drift.window
-            every = self.cfg.checkpoint.save_every_updates
-            if every and (mb.update + 1) % every == 0 and done < phase.max_updates and not stop:
+            if self.cfg.checkpoint.on_interval(mb.update + 1) and done < phase.max_updates \
+                    and not stop:  # a phase's end saves below
                 t_save += self.save(mb.update + 1, phase.index)
             t_eval += self.evaluate_every(mb.update + 1)
         bar.close()
@@ -324,9 +324,9 @@ class Trainer:
         self.state.ended.append(PhaseEnd(phase.index, phase.first_update, done, rec.end,
                                          data.positions_used))
         self.state.drift_window = []
-        end, ck = phase.first_update + done, self.cfg.checkpoint
-        if (ck.save_at_phase_end or end >= self.cfg.algo.total_updates
-                or (ck.save_every_updates and end % ck.save_every_updates == 0)):
+        end = phase.first_update + done
+        if (self.cfg.checkpoint.save_at_phase_end or end >= self.cfg.algo.total_updates
+                or self.cfg.checkpoint.on_interval(end)):
             t_save += self.save(end, phase.index)
         rec.save_seconds = t_save
 

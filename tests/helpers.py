@@ -207,6 +207,17 @@ def kill_when_ready(cmd: list[str], log_path: Path, ready, timeout: int = 600,
         proc.wait()
 
 
+def mtimes(paths) -> dict[Path, int]:
+    """Each file's modification time (ns): what ``assert_unchanged`` holds them to."""
+    return {Path(p): Path(p).stat().st_mtime_ns for p in paths}
+
+
+def assert_unchanged(seen: dict[Path, int]) -> None:
+    """Files kept as they were (``mtimes``): finished work a resume must not redo."""
+    for path, mtime in seen.items():
+        assert path.stat().st_mtime_ns == mtime, f"{path} was written again"
+
+
 def eos_prone(hf_dir: Path, strength: float = 0.5) -> Path:
     """Make a tiny random checkpoint end some of its responses: its output row of the EOS token
     turned toward the mean of its last hidden states, so that EOS is likely after some contexts

@@ -9,7 +9,16 @@ import os
 
 import numpy as np
 import pytest
-from helpers import ROOT, eos_prone, kill_when_ready, records, run_until_done, train_command
+from helpers import (
+    ROOT,
+    assert_unchanged,
+    eos_prone,
+    kill_when_ready,
+    mtimes,
+    records,
+    run_until_done,
+    train_command,
+)
 from reward_helpers import SLOW
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
@@ -115,10 +124,9 @@ def test_kl_to_the_behaviour_policy_and_refill_killed_in_a_refill_round(setup):
     cmd = train_command({**sets, "logging.run_dir": run})
     kill_when_ready(cmd, d / "refill_killed.log", lambda: refill_started(run), env=SLOW)
     assert not (phase_dir(run, 0) / "index.arrow").exists(), "killed too late"
-    kept = {p.name: p.stat().st_mtime_ns for p in phase_dir(run, 0).glob("shard_*.arrow")}
+    kept = mtimes(phase_dir(run, 0).glob("shard_*.arrow"))
     run_until_done(cmd, d / "refill_killed.log")
-    for name, mtime in kept.items():  # nothing persisted was generated again
-        assert (phase_dir(run, 0) / name).stat().st_mtime_ns == mtime, name
+    assert_unchanged(kept)  # nothing persisted was generated again
     p0 = next(r for r in records(run) if r["kind"] == "phase" and r["phase"] == 0)
     assert p0["generated_groups"] == p0["groups"] - len(kept), p0  # shards of a group
 

@@ -5,14 +5,24 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, cli_under_torchrun, descendants, kill_tree, records, set_args
+from helpers import (
+    assert_unchanged,
+    cli_under_torchrun,
+    descendants,
+    kill_tree,
+    kill_when_ready,
+    launch,
+    mtimes,
+    records,
+    run_until_done,
+    set_args,
+)
 from reward_helpers import SLOW
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
@@ -39,10 +49,9 @@ def command(hf: Path, run_dir: Path, extra: dict | None = None) -> list[str]:
     return cli_under_torchrun(2, "train", *set_args(sets))
 
 
-def start(hf, run_dir, log, extra=None, env=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
-    return subprocess.Popen(command(hf, run_dir, extra), cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+def log_of(run_dir: Path) -> Path:
+    """A run's console log, beside its run directory (every start of it appends)."""
+    return run_dir.parent / f"{run_dir.name}.log"
 
 
 # Runs that are not killed save only at phase ends (a save costs ~2 s here); the killed ones
@@ -52,24 +61,12 @@ PHASE_END_SAVES = {"checkpoint.save_every_updates": 0}
 
 def run_to_end(hf, run_dir, extra=None, env=None, expect=0):
     """Run to its end; the log's tail when its exit code is not ``expect``. Returns the log."""
-    log_path = run_dir.parent / f"{run_dir.name}.log"
-    with open(log_path, "a") as log:
-        proc = start(hf, run_dir, log, extra, env)
-        assert proc.wait(timeout=900) == expect, log_path.read_text()[-6000:]
-    return log_path.read_text()
+    return run_until_done(command(hf, run_dir, extra), log_of(run_dir), expect, env)
 
 
 def kill_when(hf, run_dir, ready, timeout=600, extra=None, env=None):
     """Start a run and SIGKILL its whole process group as soon as ``ready()`` holds."""
-    with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:
-        proc = start(hf, run_dir, log, extra, env)
-        deadline = time.monotonic() + timeout
-        while not ready():
-            assert proc.poll() is None, "the run ended before the kill point"
-            assert time.monotonic() < deadline, "kill point never reached"
-            time.sleep(0.02)
-        kill_tree(proc.pid)
-        proc.wait()
+    kill_when_ready(command(hf, run_dir, extra), log_of(run_dir), ready, timeout, env)
 
 
 def phase_samples(run_dir, phase):
@@ -260,11 +257,10 @@ def test_sigkill_mid_generation_then_resume_with_other_replicas(setup):
                   extra={"rollout.placement": placement, "reward.num_workers": 1,
                          "reward.batch_responses": 1}, env=SLOW)
         assert not (directory / "index.arrow").exists(), f"killed too late: phase {phase} ended"
-        kept[phase] = {p: p.stat().st_mtime_ns for p in directory.glob("shard_*.arrow")}
+        kept[phase] = mtimes(directory.glob("shard_*.arrow"))
     run_to_end(hf, run, {"rollout.placement": "spmd"})
     for shards in kept.values():  # finished work was not redone
-        for path, mtime in shards.items():
-            assert path.stat().st_mtime_ns == mtime, path
+        assert_unchanged(shards)
     last = {r["phase"]: r for r in records(run) if r["kind"] == "phase"}
     for phase, replicas in ((1, 1), (2, 2)):  # resumed by rank0's one replica, then spmd's two
         assert last[phase]["engine_replicas"] == replicas, last[phase]
@@ -293,12 +289,10 @@ def test_sigkill_mid_optimization_then_resume_from_inside_a_phase(setup):
     index2 = run / "rollouts" / "phase_0002" / "index.arrow"
     kill_when(hf, run, index2.exists, extra=INTERVAL_SAVES)
     assert sorted(p.name for p in (run / "checkpoints").glob("update_*")) == ["update_0000004"]
-    generated = {p.parent.name: p.stat().st_mtime_ns
-                 for p in (run / "rollouts").glob("phase_*/index.arrow")}
+    generated = mtimes((run / "rollouts").glob("phase_*/index.arrow"))
     assert len(generated) == 3
     run_to_end(hf, run, INTERVAL_SAVES)
-    for phase, mtime in generated.items():
-        assert (run / "rollouts" / phase / "index.arrow").stat().st_mtime_ns == mtime, phase
+    assert_unchanged(generated)
     assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
     # the resume's saves: update 8 (inside phase 2) and the run's last, 9
     assert sorted(p.name for p in (run / "checkpoints").glob("update_*")) == [
@@ -357,14 +351,12 @@ def test_drift_bound_ends_phases_and_resumes_where_it_ended(setup):
     for ready in (lambda: any(r["kind"] == "phase" for r in whole_records(run)),
                   (run / "checkpoints" / "update_0000003" / "state.json").exists):
         kill_when(hf, run, ready, extra=DRIFT)
-        for path in (run / "rollouts").glob("phase_*/index.arrow"):  # as first seen
-            generated.setdefault(path, path.stat().st_mtime_ns)
+        generated = {**mtimes((run / "rollouts").glob("phase_*/index.arrow")), **generated}
     assert len(generated) == 2, generated  # phases 0 and 1 generated before the second kill
     run_to_end(hf, run, DRIFT)
     assert phase_ends(run) == ends
     assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
-    for path, mtime in generated.items():
-        assert path.stat().st_mtime_ns == mtime, path
+    assert_unchanged(generated)
 
 
 # Put into every process of a run through PYTHONPATH; acts in rank 1 only.
@@ -434,29 +426,28 @@ def test_a_frozen_rank_stops_the_run_after_the_timeout(setup):
     names the setting; the launcher then ends the frozen one."""
     d, hf, _ = setup
     run = d / "frozen"
-    log_path = d / "frozen.log"
-    with open(log_path, "w") as log:
-        proc = start(hf, run, log, {"parallel.timeout_minutes": 1})
-        try:
-            deadline = time.monotonic() + 600
-            while not any(r["kind"] == "update" and r["update"] >= 1 for r in whole_records(run)):
-                assert proc.poll() is None, log_path.read_text()[-4000:]
-                assert time.monotonic() < deadline, "optimization never started"
-                time.sleep(0.1)
-            rank0 = worker_pid(proc.pid, 0)
-            os.kill(worker_pid(proc.pid, 1), signal.SIGSTOP)
-            frozen_at = time.monotonic()
-            while Path(f"/proc/{rank0}").exists() and time.monotonic() < frozen_at + 600:
-                try:  # a zombie (ended, not yet reaped by torchrun) counts as ended
-                    if Path(f"/proc/{rank0}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                        break
-                except OSError:
+    log_path = log_of(run)
+    proc = launch(command(hf, run, {"parallel.timeout_minutes": 1}), log_path)
+    try:
+        deadline = time.monotonic() + 600
+        while not any(r["kind"] == "update" and r["update"] >= 1 for r in whole_records(run)):
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "optimization never started"
+            time.sleep(0.1)
+        rank0 = worker_pid(proc.pid, 0)
+        os.kill(worker_pid(proc.pid, 1), signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        while Path(f"/proc/{rank0}").exists() and time.monotonic() < frozen_at + 600:
+            try:  # a zombie (ended, not yet reaped by torchrun) counts as ended
+                if Path(f"/proc/{rank0}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
                     break
-                time.sleep(0.2)
-            stopped_after = time.monotonic() - frozen_at
-        finally:  # torchrun would end the frozen rank too, after a grace period of its own
-            kill_tree(proc.pid)
-            proc.wait()
+            except OSError:
+                break
+            time.sleep(0.2)
+        stopped_after = time.monotonic() - frozen_at
+    finally:  # torchrun would end the frozen rank too, after a grace period of its own
+        kill_tree(proc.pid)
+        proc.wait()
     text = log_path.read_text()
     assert "waited longer than parallel.timeout_minutes = 1 minutes" in text, text[-4000:]
     assert 55 < stopped_after < 240, stopped_after  # 1 minute, not megatron's 30

@@ -12,7 +12,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import kill_when_ready, records, run_until_done, train_command
+from helpers import (
+    assert_unchanged,
+    kill_when_ready,
+    mtimes,
+    records,
+    run_until_done,
+    train_command,
+)
 from reward_helpers import SLOW
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
@@ -136,10 +143,9 @@ def test_sigkill_mid_generation_resumes_with_the_same_prompts(setup):
     cmd = train_command({**sets, "logging.run_dir": run})
     kill_when_ready(cmd, d / "killed.log", lambda: any(phase1.glob("shard_*.arrow")), env=SLOW)
     assert not (phase1 / "index.arrow").exists(), "killed too late"
-    kept = {p.name: p.stat().st_mtime_ns for p in phase1.glob("shard_*.arrow")}
+    kept = mtimes(phase1.glob("shard_*.arrow"))
     run_until_done(cmd, d / "killed.log")
-    for name, mtime in kept.items():
-        assert (phase1 / name).stat().st_mtime_ns == mtime, name
+    assert_unchanged(kept)
     for phase in (0, 1):
         got, want = (PhaseData(phase_dir(r, phase), drop_uniform=False) for r in (run, ref))
         try:

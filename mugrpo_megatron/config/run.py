@@ -205,6 +205,10 @@ class CheckpointConfig(Section):
         self._non_negative("save_every_updates")
         self._positive("keep_last")
 
+    def on_interval(self, update: int) -> bool:
+        """Whether a checkpoint is due after ``update`` updates by ``save_every_updates``."""
+        return bool(self.save_every_updates) and update % self.save_every_updates == 0
+
 
 @dataclass(frozen=True)
 class LoggingConfig(Section):
