@@ -144,6 +144,29 @@ def test_vllm_calls_take_what_the_engine_passes():
     assert "use_local_synchronization" in inspect.signature(torch.distributed.new_group).parameters
 
 
+def test_checkpoint_writers_die_with_the_run_where_megatron_starts_them():
+    """compat_megatron part 7: megatron's writer takes its results queue from the module's
+    ``_results_queue`` when it is set (and starts a manager of its own only when it is not),
+    and its writers' target is the method replaced (with the signature megatron inspects); the
+    patch is applied once, its queue from a manager that asked to die with this process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    source = inspect.getsource(fa)
+    assert "if _results_queue is None:" in source and "Manager().Queue()" in source
+    assert "results_queue()" in inspect.getsource(fa.FileSystemWriterAsync.prepare_write_data)
+    assert "FileSystemWriterAsync.write_preloaded_data" in source
+    before = inspect.signature(fa.FileSystemWriterAsync.write_preloaded_data)
+    compat_megatron.checkpoint_writers_die_with_us()
+    queue = fa._results_queue
+    compat_megatron.checkpoint_writers_die_with_us()  # once
+    assert fa._results_queue is queue and queue is not None
+    assert inspect.signature(fa.FileSystemWriterAsync.write_preloaded_data) == before
+    wrapped = fa.FileSystemWriterAsync.write_preloaded_data
+    assert wrapped.__code__.co_name == "write_then_die_with_us"
+    assert wrapped.__wrapped__.__code__.co_name != "write_then_die_with_us"  # wrapped once
+    assert compat_megatron._writer_manager._process.is_alive()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in applies only without CUDA")
 def test_megatron_imports_without_compiling_its_fusions_on_cpu():
     """compat_megatron part 6: megatron's jit_fuser is a plain decorator on CPU (no dynamo or

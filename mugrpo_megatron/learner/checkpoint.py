@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mugrpo_megatron.learner.compat_megatron import (
+    checkpoint_writers_die_with_us,
     ensure_optimizer_state,
     has_optimizer_state,
     megatron_on_cpu,
@@ -150,6 +151,7 @@ def save_checkpoint(sharded_state: dict[str, Any], path: Path, *, hf_source: Pat
                           device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(needed)
     on_rank0(_begin, path, int(needed), what, kept, then)
+    checkpoint_writers_die_with_us()
     try:
         with outputs.guard(tmp, what, kept=kept, then=then), megatron_on_cpu():
             dist_checkpointing.save(sharded_state, str(tmp), content_metadata=(

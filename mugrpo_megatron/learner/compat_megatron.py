@@ -74,6 +74,18 @@ letting a patch go silently inert.
    Without CUDA, megatron-core is imported with ``torch.compile`` standing in as the identity,
    so ``jit_fuser`` stays a plain decorator; ``torch.compile`` itself is restored at once.
 
+7. **Checkpoint writers that end with the run** (``checkpoint_writers_die_with_us``, before
+   every save). megatron-core's file-system writer (``dist_checkpointing/strategies/
+   filesystem_async.py``) collects its writers' results through the queue of a
+   ``multiprocessing`` manager it starts at the first save and keeps in the module's
+   ``_results_queue`` (0.16.1 ``_get_write_results_queue``, 0.19.2 ``get_write_results_queue``:
+   a spawned server process that lives as long as the run), and 0.16.1 writes each save's files
+   from forked processes (``FileSystemWriterAsync.write_preloaded_data``; 0.19.2 from threads).
+   A SIGKILL of the run left the manager alive on every rank (found by
+   ``tests/test_user_data.py``). Here ``_results_queue`` is filled first, from a manager started
+   with ``procs.die_with_parent`` as its initializer, and a writer that runs in a forked process
+   calls it first, so neither outlives the run.
+
 Sequence parallel with megatron's torch norms needs no patch here; the learner tags the norm
 weights ``sequence_parallel`` itself (see ``model.py``).
 """
@@ -82,13 +94,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
+import multiprocessing
+import os
 import threading
 from collections.abc import Iterator
+from multiprocessing.managers import SyncManager
 
 import torch
 from packaging.version import Version
 from torch.overrides import TorchFunctionMode
+
+from mugrpo_megatron.procs import die_with_parent
 
 
 def _import_megatron() -> None:
@@ -126,6 +144,9 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._get_main_param_and_optimizer_states",
     "megatron.core.dist_checkpointing.mapping:ShardedTensorFactory",
     "megatron.core.jit:jit_fuser",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync"
+    ".write_preloaded_data",
 )
 """``module:attribute`` of every upstream name a part below patches or reads."""
 _STREAM_WAITS_FROM = Version("0.19")
@@ -455,3 +476,33 @@ def optimizer_state_in_model_space() -> Iterator[None]:
         yield
     finally:
         DistributedOptimizer.sharded_param_state_fs_model_space = real
+
+
+# ------------------------------------------------------------------ 7. checkpoint writers
+
+_writer_manager = None
+"""The manager process whose queue megatron's writers report to (started once, here)."""
+
+
+def checkpoint_writers_die_with_us() -> None:
+    """Part 7 (once a process, before its first save): megatron's results queue from a manager
+    started with ``procs.die_with_parent``, and its writers in forked processes calling it
+    first (not those in threads of this process: it would tie this process to its parent)."""
+    global _writer_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if _writer_manager is not None:
+        return
+    saver = os.getpid()
+    _writer_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    _writer_manager.start(initializer=die_with_parent, initargs=(saver,))
+    fa._results_queue = _writer_manager.Queue()
+    write = fa.FileSystemWriterAsync.write_preloaded_data
+
+    @functools.wraps(write)
+    def write_then_die_with_us(*args, **kwargs):
+        if os.getpid() != saver:  # forked from the process that saves
+            die_with_parent()
+        return write(*args, **kwargs)
+
+    fa.FileSystemWriterAsync.write_preloaded_data = staticmethod(write_then_die_with_us)
