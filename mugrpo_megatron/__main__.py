@@ -2,8 +2,10 @@
 it drives, and this module parses and dispatches.
 
 - ``config``: print every config key with its value and docstring (after YAML and ``--set``).
-- ``plan``: validate a config for a world size and print the phase schedule (``dryrun.plan``).
-- ``train``: run Mu-GRPO (``trainer``; ``--dry-run``: layout and per-GPU memory, ``dryrun``).
+- ``plan``: validate a config for a world size and print the phase schedule (``dryrun.plan``),
+  and check the run's inputs as ``train`` does before it starts (``inputs.check_inputs``).
+- ``train``: run Mu-GRPO (``trainer``; ``--dry-run``: the inputs checked, the layout and per-GPU
+  memory, ``dryrun``).
 - ``convert``: HF <-> Megatron checkpoints in any TP/PP layout (``learner.convert``).
 - ``eval``: pass@k and mean@k of a checkpoint on named held-out sets (``evaluation``).
 - ``rollouts``: a run's persisted rollouts of one phase, summed up and decoded (``phase.viewer``).
@@ -21,6 +23,7 @@ from mugrpo_megatron import outputs
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.config.loader import describe, load_config
 from mugrpo_megatron.dryrun.memory import H100_GIB
+from mugrpo_megatron.rewards.scorer import RewardFailed
 
 DRY_RUN_GPUS_PER_NODE = 8  # an H100 node
 
@@ -37,8 +40,18 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from mugrpo_megatron.dryrun import plan
 
-    print(plan(_load(args), args.world_size, args.gpus_per_node))
+    cfg = _load(args)
+    text = plan(cfg, args.world_size, args.gpus_per_node)
+    print(text + "\n" + _inputs(cfg, overwrite=False))
     return 0
+
+
+def _inputs(cfg: Config, overwrite: bool) -> str:
+    """The run's inputs as ``train`` checks them before its process groups, in words."""
+    from mugrpo_megatron.inputs import check_inputs
+
+    return "inputs (as train reads them before it starts):\n" + "\n".join(
+        f"  {line}" for line in check_inputs(cfg, overwrite=overwrite))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -47,8 +60,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         from mugrpo_megatron.dryrun import dry_run
 
-        print(dry_run(cfg, world, hf_config=args.hf_config, gpu_gib=args.gpu_gib,
-                      gpus_per_node=args.gpus_per_node or DRY_RUN_GPUS_PER_NODE))
+        text = dry_run(cfg, world, hf_config=args.hf_config, gpu_gib=args.gpu_gib,
+                       gpus_per_node=args.gpus_per_node or DRY_RUN_GPUS_PER_NODE)
+        print(_inputs(cfg, overwrite=args.overwrite) + "\n" + text)
         return 0
     # before any process group (and before megatron-core is imported): the layout, with the
     # model's when its config.json is there (run_dir.check names a missing one next), and the
@@ -64,6 +78,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     check_rewards(cfg)  # every reward function imports and takes what the scorer gives
     start = run_dir.check(cfg, overwrite=args.overwrite)  # reads only; every rank
+    if start == "finished":
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(run_dir.finished_message(cfg), flush=True)
+        return 0
     from mugrpo_megatron.trainer import train
 
     return train(cfg, start)
@@ -197,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except outputs.DiskFull as e:  # convert, eval --output (train reports its own)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RewardFailed as e:  # eval under reward.on_error: raise (train reports its own)
         print(f"error: {e}", file=sys.stderr)
         return 1
 

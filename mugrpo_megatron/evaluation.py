@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 from mugrpo_megatron import outputs
 from mugrpo_megatron.config import Config, ParallelConfig
 from mugrpo_megatron.rewards import RewardScorer, RowInfo
+from mugrpo_megatron.rewards.scorer import describe_failures
 from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
 
 if TYPE_CHECKING:
@@ -54,14 +56,35 @@ class EvalResult:
     """pass@k by k (the unbiased estimator)."""
     mean_response_tokens: float
     num_timeouts: int
+    num_errors: int = 0
+    """Responses whose reward function failed (each scored 0; timeouts are ``num_timeouts``)."""
+    failed_by_source: dict[str, int] = field(default_factory=dict)
+    """Failed responses (errors and timeouts) by source."""
+    failure_examples: list[str] = field(default_factory=list)
+    """The first few failures: source, data row and error."""
     by_source: dict[str, EvalResult] = field(default_factory=dict)
     """The same for each source of a set that has several."""
+
+    @property
+    def num_failed(self) -> int:
+        return self.num_errors + self.num_timeouts
+
+    def describe_failures(self) -> str:
+        """The set's reward failures in one line ('' when none failed)."""
+        if not self.num_failed:
+            return ""
+        return describe_failures(self.num_failed, self.num_prompts * self.samples,
+                                 self.failed_by_source, self.failure_examples)
 
     def as_dict(self) -> dict:
         out = {"prompts": self.num_prompts, "samples": self.samples,
                **{f"mean@{k}": self.mean_reward for k in self.pass_at},
                **{f"pass@{k}": v for k, v in self.pass_at.items()},
-               "response_tokens": self.mean_response_tokens, "reward_timeouts": self.num_timeouts}
+               "response_tokens": self.mean_response_tokens, "reward_timeouts": self.num_timeouts,
+               "reward_errors": self.num_errors}
+        if self.num_failed:
+            out["reward_failures_by_source"] = dict(self.failed_by_source)
+            out["reward_failure_examples"] = list(self.failure_examples)
         if self.by_source:
             out["by_source"] = {s: r.as_dict() for s, r in self.by_source.items()}
         return out
@@ -103,12 +126,14 @@ def score_eval(gens: Sequence[Sequence[Generation]], prompts: Sequence[Prompt],
         for g in group:
             texts.append(tokenizer.decode(list(g.token_ids), skip_special_tokens=True))
             answers.append(prompt.answer)
-            rows.append(RowInfo(prompt.source, prompt.text, prompt.metadata))
+            rows.append(RowInfo(prompt.source, prompt.text, prompt.metadata, prompt.index))
             lengths.append(len(g.token_ids))
     outcome = scorer.score(texts, answers, rows)
     n = len(gens[0]) if gens else 1
     per_prompt = [outcome.rewards[i * n:(i + 1) * n] for i in range(len(prompts))]
-    result = _result(per_prompt, lengths, n, ks, outcome.num_timeouts)
+    result = replace(_result(per_prompt, lengths, n, ks, outcome.num_timeouts),
+                     num_errors=outcome.num_errors, failed_by_source=outcome.failed_by_source,
+                     failure_examples=outcome.errors)
     sources = sorted({p.source for p in prompts})
     if len(sources) > 1:
         by = {}
@@ -151,17 +176,9 @@ def evaluate_checkpoint(cfg: Config, model: Path, *, data: list[str] | None, lim
     if output:
         outputs.check_destination(output, [model], overwrite=overwrite, what="--output",
                                   directory=False)
-    data_cfg = cfg.data
-    if data:
-        sets = dict(_named(item) for item in data)
-        data_cfg = replace(data_cfg, eval_path=sets)
-    if limit is not None:
-        data_cfg = replace(data_cfg, eval_size=limit)
-    eval_cfg = cfg.eval if samples is None else replace(cfg.eval, samples=samples)
-    cfg = replace(cfg, data=data_cfg, eval=eval_cfg)  # checked again as a whole
-    if not cfg.data.eval_sets:
-        raise ValueError("eval needs held-out data: --data PATH (or NAME=PATH), or "
-                         "data.eval_path in the config")
+    cfg, notes = eval_config(cfg, data=data, limit=limit, samples=samples)
+    for note in notes:
+        print(f"[eval] {note}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         hf = model
         if (model / "state.json").is_file() or (model / ".metadata").is_file():
@@ -187,14 +204,52 @@ def evaluate_checkpoint(cfg: Config, model: Path, *, data: list[str] | None, lim
             with RewardScorer(cfg.reward) as scorer:
                 for name, (prompts, _) in sets.items():
                     spec = set_sampling(cfg, name)
-                    results[name] = evaluate(engine, scorer, tokenizer, prompts, spec,
-                                             reported_k(cfg, spec.n)).as_dict()
+                    result = evaluate(engine, scorer, tokenizer, prompts, spec,
+                                      reported_k(cfg, spec.n))
+                    if result.num_failed:
+                        print(f"[eval] {name}: reward: {result.describe_failures()}",
+                              file=sys.stderr, flush=True)
+                    results[name] = result.as_dict()
         finally:
             engine.shutdown()
     out = {"model": str(model), "data": cfg.data.eval_sets, "sets": results}
     if output:
         outputs.write_file(output, json.dumps(out, indent=1))
     return out
+
+
+def eval_config(cfg: Config, *, data: list[str] | None, limit: int | None,
+                samples: int | None) -> tuple[Config, list[str]]:
+    """The config the ``eval`` command scores with: ``--data``'s sets (``NAME=PATH`` or
+    ``PATH``) in place of ``data.eval_path``'s, ``--limit`` problems a set, ``--samples``
+    responses a prompt (sets named in ``eval.samples_by_set`` keep theirs), and of
+    ``eval.pass_k`` the k that some set's samples reach (the others dropped, and said in the
+    notes returned)."""
+    data_cfg = cfg.data
+    if data:
+        data_cfg = replace(data_cfg, eval_path=dict(_named(item) for item in data))
+    if limit is not None:
+        data_cfg = replace(data_cfg, eval_size=limit)
+    if not data_cfg.eval_sets:
+        raise ValueError("eval needs held-out data: --data PATH (or NAME=PATH), or "
+                         "data.eval_path in the config")
+    notes = []
+    eval_cfg = cfg.eval
+    if data:  # eval.samples_by_set of the config's sets applies to a --data set of that name
+        eval_cfg = replace(eval_cfg, samples_by_set={k: v for k, v in
+                                                     eval_cfg.samples_by_set.items()
+                                                     if k in data_cfg.eval_sets})
+    if samples is not None:
+        eval_cfg = replace(eval_cfg, samples=samples)
+        most = max(eval_cfg.samples_for(name) for name in data_cfg.eval_sets)
+        dropped = [k for k in eval_cfg.pass_k if k > most]
+        if dropped:
+            eval_cfg = replace(eval_cfg, pass_k=tuple(k for k in eval_cfg.pass_k if k <= most))
+            notes.append(f"eval.pass_k: {', '.join(map(str, dropped))} dropped: more than the "
+                         f"{most} response(s) a prompt that --samples {samples} gives; reporting "
+                         + (f"pass@{', pass@'.join(map(str, eval_cfg.pass_k))}" if eval_cfg.pass_k
+                            else f"pass@1 and pass@{most}"))
+    return replace(cfg, data=data_cfg, eval=eval_cfg), notes  # checked again as a whole
 
 
 def _named(item: str) -> tuple[str, str]:

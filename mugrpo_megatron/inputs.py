@@ -23,6 +23,86 @@ from pathlib import Path
 from mugrpo_megatron.config import Config
 
 
+def check_inputs(cfg: Config, overwrite: bool = False) -> list[str]:
+    """What ``plan`` and ``train --dry-run`` read of a run's inputs: the checks ``train`` makes
+    before its process groups, said in lines, with ValueError where ``train`` would refuse.
+
+    Every reward function imported and its signature checked (``check_rewards``); every row of
+    every data file and held-out set through the row checks ``train`` makes (fields, types,
+    messages, sources; ``data.on_bad_row``), without tokenizing a whole set: where the model's
+    tokenizer is on this machine, each file's first ``CHUNK_ROWS`` prompts are rendered as the
+    engine gets them and held to ``data.max_prompt_tokens`` (``train`` checks every prompt);
+    every ``reward.by_source`` key against the sources found; whether the run's draws can hold
+    ``data.weights`` (``phase.schedule.mixture_coverage``); and what starting in
+    ``logging.run_dir`` would do (``run_dir.check``: new, resume, replace, or refused). A data
+    file or model directory that is not on this machine is said, not refused: a dry run may
+    plan on a laptop for a cluster's files."""
+    from mugrpo_megatron import run_dir
+    from mugrpo_megatron.data import CHUNK_ROWS, iter_prompt_chunks
+    from mugrpo_megatron.data.prompt_store import check_routes
+    from mugrpo_megatron.data.readers import DataNotFound
+    from mugrpo_megatron.phase.schedule import mixture_coverage
+    from mugrpo_megatron.rewards import reward_specs
+    from mugrpo_megatron.types import LoadReport
+
+    specs, route = reward_specs(cfg.reward)
+    names = {"reward.name": specs[0], **{f"reward.by_source.{k}": specs[i]
+                                         for k, i in route.items()}}
+    lines = ["rewards: " + "; ".join(
+        f"{k} {v.path}" + (f" (takes {', '.join(sorted(v.takes))})" if v.takes else "")
+        for k, v in names.items()) + ": each imported, its signature checked"]
+    model = Path(cfg.model.path) if cfg.model.path else None
+    tokenizer = None
+    if model is not None and (model / "config.json").is_file():
+        try:
+            tokenizer = load_tokenizer(cfg)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model.path: cannot load the tokenizer of {model}: {e}") from e
+    sources: dict[str, int] = {}
+    absent: list[str] = []
+    sets = [(f"data.path[{i}]" if len(cfg.data.paths) > 1 else "data.path", path, False)
+            for i, path in enumerate(cfg.data.paths)]
+    sets += [(f"data.eval_path.{name}" if isinstance(cfg.data.eval_path, dict)
+              else "data.eval_path", path, True) for name, path in cfg.data.eval_sets.items()]
+    for key, path, held_out in sets:
+        report, found, longest = LoadReport(source=path), {}, 0
+        try:
+            for chunk in iter_prompt_chunks(cfg.data, tokenizer, report, held_out=held_out,
+                                            path=path, key=key, tokenize_rows=CHUNK_ROWS):
+                for s in chunk.sources:
+                    found[s] = found.get(s, 0) + 1
+                longest = max([longest, *map(len, chunk.token_ids)])
+        except DataNotFound as e:
+            absent.append(key)
+            lines.append(f"{key}: not on this machine, not checked ({e})")
+            continue
+        for s, n in found.items():
+            sources[s] = sources.get(s, 0) + n
+        lengths = (f"; its first {min(CHUNK_ROWS, report.num_kept)} prompts rendered: the longest "
+                   f"{longest} tokens of data.max_prompt_tokens {cfg.data.max_prompt_tokens}"
+                   if tokenizer is not None else "; prompt lengths not checked (no tokenizer: "
+                   "model.path is not on this machine)")
+        lines.append(f"{key}: {report.summary()}; sources: "
+                     + ", ".join(f"{s} {n}" for s, n in sorted(found.items())) + lengths)
+    if cfg.reward.by_source and absent:
+        lines.append(f"reward.by_source: not checked against the sources ({', '.join(absent)} "
+                     f"not on this machine)")
+    elif cfg.reward.by_source:
+        check_routes(cfg, list(sources))
+        lines.append("reward.by_source: every key names a source of the data")
+    if coverage := mixture_coverage(cfg):
+        lines.append(coverage)
+    if tokenizer is None:
+        lines.append("logging.run_dir: not checked (model.path is not on this machine)")
+    else:
+        start = run_dir.check(cfg, overwrite=overwrite)
+        lines.append(f"logging.run_dir: {cfg.logging.run_dir}: " + {
+            "new": "a new run", "resume": "resumes the run there (same fingerprint)",
+            "replace": "replaced (--overwrite)", "finished": "holds this run, finished: "
+            "train says so and does nothing"}[start])
+    return lines
+
+
 def check_rewards(cfg: Config) -> None:
     """Every reward function the run may call imports and takes what the scorer gives
     (``rewards.reward_specs``); ValueError naming the setting otherwise. Every rank."""

@@ -68,6 +68,7 @@ def write_report(run_dir: Path) -> Path:
         lines += ["", "Time split over all phases: " + ", ".join(
             f"{k.removesuffix('_seconds')} {v:.1f}s ({100 * v / total:.0f}%)"
             for k, v in tot.items()) if total else "", ""]
+    lines += _failure_rows(phases, list(evals.values()))
     skipped = [r for r in records if r["kind"] == "update" and r.get("skipped")]
     lines += [f"Updates: {len(updates)} applied, {len(skipped)} skipped.", ""]
     if plots:
@@ -93,6 +94,37 @@ def _eval_rows(label: str, e: dict) -> list[str]:
                         f"{mean:.3f} | " + ", ".join(f"@{k} {numbers[f'pass@{k}']:.3f}" for k in ks)
                         + " |")
     return rows
+
+
+def _failure_rows(phases: list[dict], evals: list[dict]) -> list[str]:
+    """A section on the responses whose reward failed (each scored 0), by phase and held-out
+    evaluation, with their sources and first rows; none when every reward was computed."""
+    rows = []
+    for p in phases:
+        failed = p.get("reward_errors", 0) + p.get("reward_timeouts", 0)
+        if failed:
+            rows.append((f"phase {p['phase']}", failed, p.get("reward_timeouts", 0),
+                         p.get("reward_failures_by_source", {}),
+                         p.get("reward_failure_examples", [])))
+    for e in evals:
+        for name, r in (e.get("sets") or {}).items():
+            failed = r.get("reward_errors", 0) + r.get("reward_timeouts", 0)
+            if failed:
+                rows.append((f"held-out {name} ({e['label']})", failed, r.get("reward_timeouts", 0),
+                             r.get("reward_failures_by_source", {}),
+                             r.get("reward_failure_examples", [])))
+    if not rows:
+        return []
+    out = ["## Reward failures", "",
+           "Responses whose reward function raised, returned no valid number or ran past "
+           "reward.timeout_s: each scored 0 (reward.on_error: zero).", "",
+           "| where | failed | of them timed out | by source | first failures |",
+           "|---|---|---|---|---|"]
+    for where, failed, timeouts, by_source, examples in rows:
+        sources = ", ".join(f"{s} {n}" for s, n in sorted(by_source.items()))
+        first = "; ".join(examples[:3]).replace("|", "\\|")
+        out.append(f"| {where} | {failed} | {timeouts} | {sources or '-'} | {first or '-'} |")
+    return out + [""]
 
 
 def _plot(out_dir: Path, updates: list[dict], phases: list[dict]) -> list[Path]:

@@ -42,13 +42,17 @@ from mugrpo_megatron.models.hf_config import TOKENIZER_FILES
 from mugrpo_megatron.outputs import move_aside, write_file
 
 RUN_FILE = "run.json"
+FINISHED_FILE = "finished.json"
+"""Written by rank 0 once a run has run every update, evaluated, exported and reported: a start
+that finds it says the run is finished and does nothing (``finished_message``)."""
 SAFE_TO_CHANGE = (
     "logging.", "parallel.", "rollout.tensor_parallel", "rollout.placement",
     "rollout.gpu_memory_utilization", "rollout.cpu_kv_cache_gib", "rollout.sleep_between_phases",
     "rollout.weight_bucket_mb", "rollout.mismatch_check_samples", "rollout.shard_prompts",
-    "rollout.max_inflight_prompts", "rollout.max_num_seqs", "reward.num_workers", "reward.batch_responses",
-    "reward.timeout_s", "checkpoint.save_every_updates", "checkpoint.save_at_phase_end",
-    "checkpoint.keep_last", "checkpoint.resume", "checkpoint.export_hf", "model.recompute", "eval.",
+    "rollout.max_inflight_prompts", "rollout.max_num_seqs", "reward.num_workers",
+    "reward.batch_responses", "reward.timeout_s", "reward.on_error", "checkpoint.save_every_updates",
+    "checkpoint.save_at_phase_end", "checkpoint.keep_last", "checkpoint.resume",
+    "checkpoint.export_hf", "model.recompute", "eval.",
 )
 """Config keys (or key prefixes) that a resumed run may change: how the work is laid out and
 logged, not what it computes. The distributed optimizer's sharding is checked when a checkpoint
@@ -80,8 +84,9 @@ def _added_since(key: str, value: Any) -> bool:
 
 def check(cfg: Config, *, overwrite: bool) -> str:
     """What starting this run in ``logging.run_dir`` would do: 'new' (nothing there yet),
-    'resume' (a run with the same fingerprint) or 'replace' (``--overwrite``). ValueError, naming
-    each differing field, for anything else. Reads only."""
+    'resume' (a run with the same fingerprint), 'finished' (that run, finished: nothing to do)
+    or 'replace' (``--overwrite``). ValueError, naming each differing field, for anything else.
+    Reads only."""
     model = Path(cfg.model.path)
     if not cfg.model.path:
         raise ValueError("model.path: not set; name the Hugging Face checkpoint directory to start "
@@ -115,14 +120,44 @@ def check(cfg: Config, *, overwrite: bool) -> str:
     diffs = [f"  {k}: the run has {saved.get(k, '(absent)')!r}, now {now.get(k, '(absent)')!r}"
              for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)
              and not (k not in saved and _added_since(k, now[k]))]
+    finished = (run_dir / FINISHED_FILE).is_file()
     if diffs:
+        safe = ", ".join(k + "*" if k.endswith(".") else k for k in SAFE_TO_CHANGE)
         raise ValueError(
             f"logging.run_dir: {run_dir} holds a run that differs from this config in what its "
             f"rollouts and checkpoints depend on, so it cannot be resumed:\n" + "\n".join(diffs)
             + f"\nTo start a new run, choose a new logging.run_dir (or pass --overwrite to replace "
               f"this one); to continue this run, use its config ({run_dir / 'config.yaml'}). "
-              f"Safe to change on resume: {', '.join(SAFE_TO_CHANGE)}.")
-    return "resume"
+              f"Safe to change on resume: {safe}"
+            + (f"\nThe run is finished. {_train_further(run_dir)}" if finished else ""))
+    return "finished" if finished else "resume"
+
+
+def mark_finished(cfg: Config, updates: int) -> None:
+    """Rank 0, at the end of a run: the run is finished (``FINISHED_FILE``)."""
+    write_file(Path(cfg.logging.run_dir) / FINISHED_FILE, json.dumps(
+        {"finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "updates": updates}, indent=1))
+
+
+def finished_message(cfg: Config) -> str:
+    """What ``train`` says for a run that is finished (``check`` gave 'finished')."""
+    run_dir = Path(cfg.logging.run_dir)
+    try:
+        done = json.loads((run_dir / FINISHED_FILE).read_text())
+        when = f"{done['updates']} updates, finished {done['finished']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        when = "finished"
+    return (f"logging.run_dir: {run_dir} holds this run, and it is finished ({when}): nothing "
+            f"to do. Its report: {run_dir / 'report.md'}. {_train_further(run_dir)}")
+
+
+def _train_further(run_dir: Path) -> str:
+    checkpoints = sorted((run_dir / "checkpoints").glob("update_*"))
+    last = checkpoints[-1] if checkpoints else run_dir / "checkpoints" / "update_N"
+    return (f"To train further, start a new run (a new logging.run_dir) "
+            f"from its final policy: --set model.path={run_dir / 'hf'} (the exported Hugging Face "
+            f"checkpoint), or --set checkpoint.load_from={last} (with the optimizer's and the "
+            f"learning-rate schedule's state); --overwrite replaces this run instead.")
 
 
 TOKEN_FILE = ".mugrpo-rank0-token"
@@ -190,7 +225,7 @@ def agree(cfg: Config, start: str) -> str:
 
 
 def _start_words(start: str) -> str:
-    return {"new": "new run", "resume": "run to resume",
+    return {"new": "new run", "resume": "run to resume", "finished": "finished run",
             "replace": "directory to replace (--overwrite)"}[start]
 
 

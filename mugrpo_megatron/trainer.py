@@ -55,8 +55,10 @@ from mugrpo_megatron.phase import (
     score_behaviour,
     score_reference,
 )
+from mugrpo_megatron.phase.schedule import mixture_coverage
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
+from mugrpo_megatron.rewards.scorer import RewardFailed
 
 
 class Trainer:
@@ -130,6 +132,8 @@ class Trainer:
             self.start_update = counters["update"]
             self.state = ScheduleState.from_counters(counters, cfg.algo)
             self.progress.note(f"resumed from {ckpt} at update {self.start_update}")
+        if self.rank0:
+            self._warn_coverage()
 
     @property
     def keeps_reference(self) -> bool:
@@ -158,6 +162,7 @@ class Trainer:
 
             path = write_report(self.run_dir)
             self.progress.note(f"report: {path}")
+            run_dir.mark_finished(self.cfg, self.learner.num_updates)
 
     def run_phase(self, phase: Phase) -> None:
         """Generate (unless on disk), score the reference policy (a KL term to it) and the
@@ -272,8 +277,8 @@ class Trainer:
             raise RunFailed(f"phase {phase.index}: generation failed ({e}). Kept: every shard "
                             f"written in {directory}; resume by running again.") from None
         counts.record(rec, time.perf_counter() - t0)
-        for message in counts.messages:
-            self.progress.note(f"reward: {message}")
+        if counts.reward_failures:
+            self._warn(f"reward, phase {phase.index}: {counts.describe_failures()}")
 
     def optimize(self, phase: Phase, data: PhaseData, rec: PhaseRecord) -> None:
         """The phase's updates, from where a resume left off, until it has run its mu updates or
@@ -359,11 +364,13 @@ class Trainer:
                     for name, prompts in self.eval_sets.items()}
             self.handoff.mark_memory("evaluate")
             self.engines.sleep()  # before the learner comes back to the device
+        # rank 0 scores; a failure there (reward.on_error: raise) stops every rank
+        results = on_rank0(lambda: {name: score_eval(gens[name], prompts, self.scorer,
+                                                     self.tokenizer,
+                                                     reported_k(self.cfg, specs[name].n))
+                                    for name, prompts in self.eval_sets.items()})
         if not self.rank0:
             return
-        results = {name: score_eval(gens[name], prompts, self.scorer, self.tokenizer,
-                                    reported_k(self.cfg, specs[name].n))
-                   for name, prompts in self.eval_sets.items()}
         first = next(iter(results.values()))
         self.log.log("eval", self.learner.num_updates, {
             "label": label, "seconds": time.perf_counter() - t0,
@@ -374,6 +381,8 @@ class Trainer:
             self.progress.note(f"held-out {name} ({label}): mean@{r.samples} {r.mean_reward:.3f}, "
                                + ", ".join(f"pass@{k} {v:.3f}" for k, v in r.pass_at.items())
                                + f" on {r.num_prompts} prompts")
+            if r.num_failed:
+                self._warn(f"reward, held-out {name} ({label}): {r.describe_failures()}")
 
     def evaluate_every(self, update: int) -> float:
         """The held-out curve (``logging.eval_every_updates``): after ``update`` when it is a
@@ -404,6 +413,23 @@ class Trainer:
             print(f"warning: {message}", file=sys.stderr, flush=True)
             self.log.log("event", self.start_update, {"warning": message})
 
+    def _warn_coverage(self) -> None:
+        """Rank 0: a run too short for ``data.weights`` (``mixture_coverage``), and the sources
+        of the prompt set that none of the run's draws reaches (a run of at most a mixture
+        block: ``PhaseScheduler.unseen_sources``), with the reward routes that never run."""
+        unseen = self.schedule.unseen_sources(
+            lambda indices: [self.prompts[i].source for i in indices], self.prompts.sources)
+        text = mixture_coverage(self.cfg)
+        if unseen:
+            routes = [s for s in unseen if s in self.cfg.reward.by_source]
+            text += ("; " if text else "") + (
+                f"no prompt the run draws has source {', '.join(unseen)} (of "
+                f"{', '.join(self.prompts.sources)}): never trained on"
+                + (f", and reward.by_source.{', reward.by_source.'.join(routes)} never runs"
+                   if routes else ""))
+        if text:
+            self._warn(text)
+
     def _log_update(self, update: int, values: dict) -> None:
         self.log.log("update", update, values)
 
@@ -429,10 +455,14 @@ class Trainer:
         self.log.log("phase", rec.first_update + rec.updates, values)
         gap = (f", train/infer gap {rec.logprob_gap_mean:.2e} (max {rec.logprob_gap_max:.2e})"
                if rec.logprob_gap_mean is not None else "")
+        failed = rec.reward_errors + rec.reward_timeouts
+        failures = (f", reward failures {failed} (" + ", ".join(
+            f"{k} {v}" for k, v in sorted((rec.reward_failures_by_source or {}).items())) + ")"
+                    if failed else "")
         self.progress.note(
             f"phase {rec.phase}: {rec.updates} updates (ended: {rec.end}), reward "
-            f"{stats['reward_mean']:.3f}, {stats['uniform_groups']} uniform groups, generate "
-            f"{rec.generate_seconds:.1f}s, sync {rec.sync_seconds:.2f}s, optimize "
+            f"{stats['reward_mean']:.3f}{failures}, {stats['uniform_groups']} uniform groups, "
+            f"generate {rec.generate_seconds:.1f}s, sync {rec.sync_seconds:.2f}s, optimize "
             f"{rec.optimize_seconds:.1f}s{gap}")
 
 
@@ -461,7 +491,7 @@ def train(cfg: Config, start: str) -> int:
     try:
         trainer = Trainer(cfg, start)
         trainer.run()
-    except (RunFailed, DiskFull, distributed.RemoteFailure, EngineFailed) as e:
+    except (RunFailed, DiskFull, distributed.RemoteFailure, EngineFailed, RewardFailed) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     except RuntimeError as e:

@@ -9,6 +9,6 @@ cd "$ROOT"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"  # keep the console to our progress
 MODEL_DIR="${MODEL_DIR:-$ROOT/runs/models/smollm2-135m-instruct}"
-"$VENV/bin/python" -c "from mugrpo_megatron.demo import prepare_smollm2; prepare_smollm2('$MODEL_DIR')"
+"$VENV/bin/python" -m mugrpo_megatron.demo "$MODEL_DIR" >/dev/null  # once (README: for your own runs)
 exec "$VENV/bin/python" -m mugrpo_megatron train --config configs/demo_cpu.yaml \
   --set "model.path=$MODEL_DIR" "$@"

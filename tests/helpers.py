@@ -190,21 +190,57 @@ def run_until_done(cmd: list[str], log_path: Path, expect: int = 0, env: dict | 
 
 
 def kill_when_ready(cmd: list[str], log_path: Path, ready, timeout: int = 600,
-                    env: dict | None = None) -> None:
-    """Start ``cmd`` and SIGKILL it and everything it started as soon as ``ready()`` holds."""
+                    env: dict | None = None, main_only: bool = False,
+                    grace_s: float = 10.0) -> list[int]:
+    """Start ``cmd`` and SIGKILL it and everything it started as soon as ``ready()`` holds.
+    With ``main_only`` the kill reaches ``cmd``'s process alone, as a user's ``kill -9`` does,
+    and every process it had started must be gone within ``grace_s`` seconds (AssertionError
+    naming those left; they are killed then). Returns the processes it had started."""
     import time
 
     proc = launch(cmd, log_path, env)
     deadline = time.monotonic() + timeout
+    started: list[int] = []
     try:
         while not ready():
             assert proc.poll() is None, "the run ended before the kill point:\n" + \
                 log_path.read_text()[-4000:]
             assert time.monotonic() < deadline, "kill point never reached"
             time.sleep(0.02)
+        if main_only:
+            started = descendants(proc.pid)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            until = time.monotonic() + grace_s
+            while (alive := [p for p in started if alive_pid(p)]) and time.monotonic() < until:
+                time.sleep(0.1)
+            assert not alive, f"left running {grace_s:g} s after the SIGKILL: " + \
+                "; ".join(f"{p} {command_line(p)}" for p in alive)
     finally:
         kill_tree(proc.pid)
+        for p in started:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait()
+    return started
+
+
+def alive_pid(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def command_line(pid: int) -> str:
+    """Process ``pid``'s command line, for messages."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:200]
+    except OSError:
+        return "(gone)"
 
 
 def mtimes(paths) -> dict[Path, int]:

@@ -45,10 +45,14 @@ def _digits(completion: str) -> float:
 def row_reading_reward(completion: str, answer: str, *, prompt: str, metadata: dict) -> float:
     """Reads its row: the prompt as rendered (-1 unless the chat template's thinking-off marker
     is in it: data.chat_template_kwargs reached the template) and the row's metadata (its
-    extra_info.scale scales the reward)."""
+    extra_info.scale scales the reward). Like a user's reward that needs a field some rows leave
+    empty, it raises ``KeyError: None`` for rows whose extra_info.index is 1 modulo 4."""
     if "<think>\n\n</think>" not in prompt:
         return -1.0
-    return metadata["extra_info"]["scale"] * _digits(completion)
+    info = metadata["extra_info"]
+    if info.get("index", 0) % 4 == 1:
+        raise KeyError(info.get("unit"))
+    return info["scale"] * _digits(completion)
 
 
 def source_reward(completion: str, answer: str, *, source: str) -> float:
@@ -59,3 +63,11 @@ def source_reward(completion: str, answer: str, *, source: str) -> float:
 def needs_units(completion: str, answer: str, units: str) -> float:
     """A parameter the scorer cannot give (for the error it must raise)."""
     return 0.0
+
+
+def fraction_averse_reward(completion: str, answer: str) -> float:
+    """1 for a completion holding the answer; raises for answers written as a LaTeX fraction
+    (a reward that cannot parse some of a benchmark's answers)."""
+    if "\\frac" in answer:
+        raise ValueError(f"cannot parse {answer!r}")
+    return float(answer in completion)

@@ -1,14 +1,27 @@
-"""The math reward (anchors, math-verify equivalence) and the scorer's hard time limit."""
+"""The math reward (anchors, math-verify equivalence), the scorer's hard time limit, its failures
+named by source and row (or raised), and its workers ending with their parent."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, alive_pid, command_line, descendants
 
 from mugrpo_megatron.config import RewardConfig
-from mugrpo_megatron.rewards import RewardScorer, register_reward, registered_rewards, resolve_reward
+from mugrpo_megatron.rewards import (
+    RewardScorer,
+    RowInfo,
+    register_reward,
+    registered_rewards,
+    resolve_reward,
+)
 from mugrpo_megatron.rewards.math_answer import extract_answer, math_reward
+from mugrpo_megatron.rewards.scorer import RewardFailed, describe_failures
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -94,7 +107,7 @@ def test_scorer_kills_hung_reward_and_reports_errors():
         out = scorer.score(["a", "hang", "b", "hang", "c"], ["a", "a", "b", "x", "x"], on_done=done.append)
         assert out.rewards == [1.0, 0.0, 1.0, 0.0, 0.0], out
         assert out.num_timeouts == 2 and len(done) == 5
-        assert "response 1: scoring took over 1.0 s" in out.errors[0]
+        assert "response 1: scoring took over 1 s (reward.timeout_s)" in out.errors[0]
         # the pool replaced the killed workers and keeps working
         assert scorer.score(["z"], ["z"]).rewards == [1.0]
     cfg = RewardConfig(name="reward_helpers:broken_reward", timeout_s=5.0, num_workers=1)
@@ -140,3 +153,75 @@ def test_rewards_out_of_range_or_not_numbers_are_counted_errors():
     assert "response 0: ValueError: reward is 1e+308, outside +-1e+06" in out.errors[0]
     assert "response 3: ValueError: reward must be a number, got str '1.0'" in out.errors[3]
     assert "got bool 'True'" in out.errors[4]
+
+
+def test_failures_are_counted_by_source_and_named_by_row_or_raised():
+    """Defect: a failing reward said only 'response 0: KeyError: None' (no source, no row, no
+    count by source), and nothing could make a failure stop the run."""
+    rows = [RowInfo("unit", row=3), RowInfo("words", row=0), RowInfo("unit", row=7),
+            RowInfo("words", row=1)]
+    cfg = RewardConfig(name="reward_helpers:broken_reward", timeout_s=5.0, num_workers=1,
+                       batch_responses=2)
+    with RewardScorer(cfg) as scorer:
+        out = scorer.score(["boom", "ok", "nan", "boom"], [""] * 4, rows)
+    assert out.rewards == [0.0, 0.5, 0.0, 0.0] and out.num_failed == 3
+    assert out.failed_by_source == {"unit": 2, "words": 1}
+    assert out.errors == ["unit row 3: RuntimeError: reward function failed",
+                          "unit row 7: ValueError: reward is nan, outside +-1e+06 "
+                          "(reward.max_abs_reward)",
+                          "words row 1: RuntimeError: reward function failed"]
+    line = describe_failures(out.num_failed, 4, out.failed_by_source, out.errors[:1])
+    assert line == ("3 of 4 responses failed to score and scored 0 (by source: unit 2, words 1); "
+                    "first: unit row 3: RuntimeError: reward function failed")
+    raising = RewardConfig(name="reward_helpers:broken_reward", timeout_s=5.0, num_workers=1,
+                           on_error="raise")
+    with RewardScorer(raising) as scorer:
+        assert scorer.score(["ok"], [""], rows[:1]).rewards == [0.5]
+        with pytest.raises(RewardFailed, match=r"reward of words row 0 failed: RuntimeError: "
+                                               r"reward function failed \(reward_helpers:"
+                                               r"broken_reward\).*reward.on_error: zero"):
+            scorer.score(["ok", "boom"], ["", ""], rows[:2])
+    with pytest.raises(ValueError, match="reward.on_error: must be one of"):
+        from mugrpo_megatron.config.loader import load_config
+
+        load_config(None, ["reward.on_error=ignore"])
+
+
+_OWNER = """
+import sys, time
+sys.path.insert(0, "tests")
+from mugrpo_megatron.config import RewardConfig
+from mugrpo_megatron.rewards import RewardScorer
+scorer = RewardScorer(RewardConfig(name="reward_helpers:sleepy_reward", num_workers=2))
+scorer.score(["a", "b"], ["a", "b"])  # both workers up
+print("ready", flush=True)
+scorer.submit(["hang"], ["x"])  # one of them busy
+time.sleep(3600)
+"""
+
+
+def test_no_worker_outlives_a_killed_owner():
+    """Defect: after a SIGKILL of the process that owned the pool, a reward worker and the
+    multiprocessing resource tracker were still alive a minute later, holding memory."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    left: list[int] = []
+    try:
+        assert owner.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        left = descendants(owner.pid)
+        assert len(left) >= 3, left  # two workers and the resource tracker
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while (alive := [p for p in left if alive_pid(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive, [command_line(p) for p in alive]
+    finally:
+        for p in [owner.pid, *left, *descendants(owner.pid)]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+

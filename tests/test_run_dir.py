@@ -87,6 +87,39 @@ def test_train_refuses_what_it_would_destroy_or_mix(model, tmp_path, capsys):
     assert sorted(p.name for p in foreign.iterdir()) == ["config.yaml", RUN_FILE]
     rc, err = train(f"model.path={model}", f"logging.run_dir={foreign}", "rollout.seed=2")
     assert rc == 2 and "rollout.seed: the run has 1, now 2" in err
+    # the prefixes safe to change are named as such, and the message ends once (it ended "eval..")
+    assert "logging.*, parallel.*" in err and "eval.*" in err and ".." not in err
+
+
+def test_a_finished_run_started_again_says_so_and_does_nothing(model, tmp_path, capsys):
+    """Defect: a finished run started again re-evaluated and re-exported, saying nothing of
+    being finished or how to train further."""
+    from mugrpo_megatron.run_dir import FINISHED_FILE, finished_message, mark_finished
+
+    run = tmp_path / "run"
+    cfg = config(model, run, "rollout.seed=1")
+    record_start(cfg, 1)
+    (run / "checkpoints" / "update_0000040").mkdir(parents=True)
+    assert check(cfg, overwrite=False) == "resume"
+    mark_finished(cfg, 40)
+    assert json.loads((run / FINISHED_FILE).read_text())["updates"] == 40
+    assert check(cfg, overwrite=False) == "finished"
+    assert check(cfg, overwrite=True) == "replace"
+    before = sorted(p.name for p in run.iterdir())
+    assert main(["train", "--set", f"model.path={model}", "--set", f"logging.run_dir={run}",
+                 "--set", "rollout.seed=1"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == finished_message(cfg)
+    assert f"{run} holds this run, and it is finished (40 updates, finished " in out
+    assert f"--set model.path={run / 'hf'}" in out and "a new logging.run_dir" in out
+    assert f"checkpoint.load_from={run / 'checkpoints' / 'update_0000040'}" in out
+    assert sorted(p.name for p in run.iterdir()) == before  # no config.1.yaml: nothing started
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    # a changed config (more updates, say) is refused as before, with the way to go on
+    with pytest.raises(ValueError, match="The run is finished. To train further, start a new run"):
+        check(config(model, run, "rollout.seed=1", "algo.total_updates=8192"), overwrite=False)
 
 
 def test_eval_refuses_what_it_would_overwrite(model, tmp_path, capsys):

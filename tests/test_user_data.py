@@ -82,9 +82,10 @@ def setup(tmp_path_factory):
         "eval.samples": 2, "eval.pass_k": "[1, 2]",
         "reward.name": "tests.reward_helpers:slow_digits_reward",
         "reward.by_source": "{mathA: tests.reward_helpers:row_reading_reward, "
-                            "mixB: tests.reward_helpers:source_reward}",
+                            "mixB: tests.reward_helpers:source_reward, "
+                            "evalsrc: tests.reward_helpers:row_reading_reward}",
         "reward.num_workers": 1, "reward.batch_responses": 2,
-        "checkpoint.save_every_updates": 0, "logging.progress": "false",
+        "checkpoint.save_every_updates": 0, "logging.progress": "true",
         "logging.tensorboard": "true",
     }
     ref = d / "reference"
@@ -93,7 +94,7 @@ def setup(tmp_path_factory):
 
 
 def test_a_verl_mixture_routed_rewards_and_named_sets(setup):
-    d, _, ref = setup
+    d, sets, ref = setup
     recs = records(ref)
     phases = [r for r in recs if r["kind"] == "phase"]
     assert len(phases) == 2
@@ -104,7 +105,24 @@ def test_a_verl_mixture_routed_rewards_and_named_sets(setup):
         # source_reward saw its source: no -1 anywhere
         assert all(v >= 0 for v in by.values()), by
     assert {s for p in phases for s in p["reward_by_source"]} == {"mathA", "mixB"}
-    assert not any(p["reward_errors"] for p in phases)
+    log = (d / "reference.log").read_text()
+    failed = 0
+    for p in phases:  # row_reading_reward raises on mixA's rows 1, 5, 9... (scored 0, named)
+        n = p["reward_errors"]
+        failed += n
+        if not n:
+            continue
+        assert p["reward_failures_by_source"] == {"mathA": n} and not p["reward_timeouts"], p
+        examples = p["reward_failure_examples"]
+        assert examples and all(e.startswith("mathA row ") and e.endswith(": KeyError: None")
+                                and int(e.split()[2].rstrip(":")) % 4 == 1 for e in examples), p
+        assert (f"warning: reward, phase {p['phase']}: {n} of 32 responses failed to score and "
+                f"scored 0 (by source: mathA {n}); first: {examples[0]}") in log
+        assert f"reward failures {n} (mathA {n})" in log  # the phase line
+        event = [r for r in recs if r["kind"] == "event" and f"phase {p['phase']}:" in
+                 r.get("warning", "")]
+        assert len(event) == 1, event
+    assert failed, "no reward failed: the test data no longer exercises failures"
     for p in phases:  # every mathA response scored 0 or 0.5, every mixB one 0 or 0.25
         data = PhaseData(phase_dir(ref, p["phase"]), drop_uniform=False)
         try:
@@ -127,21 +145,41 @@ def test_a_verl_mixture_routed_rewards_and_named_sets(setup):
         assert set(a["by_source"]) == {"evalsrc", "evalsrc_alt"}  # a set of several sources
         assert "by_source" not in b  # one source: no split
         assert e["seconds"] > 0
+        # evalA's rows 1 and 5 are evalsrc's, routed to row_reading_reward: 2 x 2 samples fail
+        assert a["reward_errors"] == 4 and a["reward_failures_by_source"] == {"evalsrc": 4}
+        assert a["reward_failure_examples"][0] == "evalsrc row 1: KeyError: None"
+        assert b["reward_errors"] == 0 and "reward_failures_by_source" not in b
+        assert (f"warning: reward, held-out evalA ({e['label']}): 4 of 12 responses failed to "
+                f"score and scored 0 (by source: evalsrc 4); first: evalsrc row 1: KeyError: "
+                f"None") in log
     report = (ref / "report.md").read_text()
     assert "| evalA | before |" in report and "| evalB | after |" in report
     assert "| evalA / evalsrc |" in report and "reward by source" in report
+    assert "## Reward failures" in report and "| held-out evalA (before) | 4 | 0 | evalsrc 4 |" \
+        in report
+    assert any(f"| phase {p['phase']} | {p['reward_errors']} | 0 | mathA {p['reward_errors']} |"
+               in report for p in phases if p["reward_errors"])
+    # started again, the finished run says so and does nothing (it re-evaluated and re-exported)
+    kept = mtimes([ref / "metrics.jsonl", ref / "report.md", *(ref / "hf").glob("*.safetensors")])
+    again = run_until_done(train_command({**sets, "logging.run_dir": ref}), d / "again.log")
+    assert f"{ref} holds this run, and it is finished (4 updates, finished " in again
+    assert_unchanged(kept)
+    assert not (ref / "config.1.yaml").exists()
 
 
 def test_sigkill_mid_generation_resumes_with_the_same_prompts(setup):
     """Killed while phase 1 generates (a shard of it on disk), the run resumes from the phase's
     plan: its prompts are the uninterrupted run's, in the same order (the mixture's draw is
     deterministic in the seed, the files' sizes and the weights), and nothing persisted is
-    generated again."""
+    generated again. The SIGKILL reaches the train process alone, as a user's ``kill -9``
+    does: every process it started (reward workers, the resource tracker) ends within seconds."""
     d, sets, ref = setup
     run = d / "killed"
     phase1 = phase_dir(run, 1)
     cmd = train_command({**sets, "logging.run_dir": run})
-    kill_when_ready(cmd, d / "killed.log", lambda: any(phase1.glob("shard_*.arrow")), env=SLOW)
+    left = kill_when_ready(cmd, d / "killed.log", lambda: any(phase1.glob("shard_*.arrow")),
+                           env=SLOW, main_only=True)
+    assert len(left) >= 2, left  # the reward worker and the resource tracker at least
     assert not (phase1 / "index.arrow").exists(), "killed too late"
     kept = mtimes(phase1.glob("shard_*.arrow"))
     run_until_done(cmd, d / "killed.log")

@@ -178,6 +178,40 @@ def test_the_mixture_s_shares_over_a_long_draw():
     assert proportional._prompts(0, 1050) == PhaseScheduler(AlgoConfig(), 8, 1050)._prompts(0, 1050)
 
 
+SHORT = ["algo.total_updates=4", "algo.updates_per_phase=1", "algo.prompts_per_phase=3",
+         "algo.samples_per_update=8", "rollout.group_size=4"]
+
+
+def test_a_run_too_short_for_its_weights_is_told_which_files_it_never_draws(capsys):
+    """Defect: with data.weights [2, 1, 1] a run that drew 12 prompts drew none of the third
+    file (so its reward route never ran), and nothing said so."""
+    from mugrpo_megatron.__main__ import main
+    from mugrpo_megatron.phase.schedule import Mixture, mixture_coverage, run_draws
+
+    paths = ["data.path=[a.parquet, b.parquet, c.parquet]", "data.weights=[2, 1, 1]"]
+    cfg = load_config(None, [*paths, *SHORT])
+    sched = PhaseScheduler(cfg.algo, 4, 30, file_sizes=(10, 10, 10), weights=(2, 1, 1))
+    assert run_draws(cfg.algo, 4) == 12 == sum(p.num_prompts for p in sched.phases())
+    drawn = sched._prompts(0, 12)
+    got = [sum(10 * f <= i < 10 * (f + 1) for i in drawn) for f in range(3)]
+    assert got == Mixture([1] * 3, (2, 1, 1), cfg.algo.seed).draws(12) == [7, 5, 0]
+    for n in (4096, 4097, 10_000):  # the draws' count per file is the stream's, at any length
+        m = PhaseScheduler(cfg.algo, 4, 30, file_sizes=(10, 10, 10), weights=(2, 1, 1)).mixture
+        stream = m.prompts(0, n)
+        assert m.draws(n) == [sum(10 * f <= i < 10 * (f + 1) for i in stream) for f in range(3)]
+    text = mixture_coverage(cfg)
+    assert "the run draws 12 prompts" in text and "shorter than one" in text
+    assert "a 7 (weight's share 6.0), b 5 (weight's share 3.0), c 0 (weight's share 3.0)" in text
+    assert "it never draws from data.path[2] (c.parquet)" in text
+    # the sources the draws miss, from the prompt set (what train warns of at its start)
+    sources = ["a"] * 10 + ["b"] * 10 + ["c"] * 10
+    assert sched.unseen_sources(lambda idx: [sources[i] for i in idx], ["a", "b", "c"]) == ["c"]
+    long = load_config(None, [*paths])  # 4 x 1024 prompts: the weights hold
+    assert run_draws(long.algo, 8) == 4096 and mixture_coverage(long) == ""
+    assert main(["plan", *[a for x in [*paths, *SHORT] for a in ("--set", x)]]) == 0
+    assert "it never draws from data.path[2] (c.parquet)" in capsys.readouterr().out
+
+
 def test_reward_signatures_and_routing():
     assert RewardSpec.of("tests.reward_helpers:row_reading_reward").takes == {"prompt", "metadata"}
     assert RewardSpec.of("math").takes == {"max_answer_chars"}
@@ -218,7 +252,41 @@ def test_a_bad_input_stops_train_before_any_process_group_and_writes_nothing(tmp
     ]
     for sets, message in cases:
         args = [a for s in sets for a in ("--set", s)]
-        assert main(["train", *base, *args]) == 2
-        assert message in capsys.readouterr().err
-        assert not run.exists() and not dist.is_initialized()
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "hf"]
+        # the checks before a run read the data and the rewards as train does (defect: plan
+        # and the dry run read neither, and passed a by_source key naming no source)
+        for command in (["train"], ["train", "--dry-run"], ["plan"]):
+            assert main([*command, *base, *args]) == 2, command
+            assert message in capsys.readouterr().err, command
+            assert not run.exists() and not dist.is_initialized()
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "hf"]
+    assert main(["train", "--dry-run", *base, "--set", f"data.path={good}"]) == 0
+    out = capsys.readouterr().out
+    assert f"data.path: {good}: 3/3 rows kept; sources: a 3; its first 3 prompts rendered" in out
+    assert f"logging.run_dir: {run}: a new run" in out and "fits: yes" in out
+
+
+def test_an_empty_or_broken_parquet_file_is_named_with_no_line_ahead(tmp_path):
+    """Defect: an empty parquet file was reported as 'not UTF-8 text at line 1 (byte 142)',
+    after a line of HF datasets' own naming the file's absolute path."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"question": pa.array([], pa.string()),
+                             "answer": pa.array([], pa.string())}), empty)
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 not really")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", HF_DATASETS_OFFLINE="1")
+    for path, message in [(empty, f"error: data.path: {empty} has no rows (a parquet file with "
+                                  f"columns ['question', 'answer'] and no data)"),
+                          (broken, f"error: data.path: {broken} is not a parquet file (")]:
+        proc = subprocess.run([sys.executable, "-m", "mugrpo_megatron", "plan", "--set",
+                               f"data.path={path}"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 2
+        lines = [line for line in proc.stderr.splitlines() if str(path) in line]
+        assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
+        assert "UTF-8" not in proc.stderr

@@ -165,6 +165,16 @@ class RewardConfig(Section):
     """Largest |reward| accepted. A reward function that returns more, or anything but a real
     number (a string, a bool, NaN), scores 0 and is counted as a reward error; this keeps the
     group statistics of the advantages finite."""
+    on_error: Literal["zero", "raise"] = "zero"
+    """What a reward function's failure does (it raised, or returned something other than a
+    finite number within max_abs_reward). 'zero': the response scores 0, and the failures are
+    counted by source and shown with their source, data row and error on the console, in the
+    phase line and record, report.md and eval's output. 'raise': the first failure stops the
+    run (training: every rank at the phase's end, the shards written so far kept; eval: at
+    once), naming its source, row and error. A response that runs past timeout_s scores 0
+    either way (counted and shown the same): adversarial completions make verifiers hang. The
+    peers have no key for it: verl's naive reward manager and slime's custom reward functions
+    (--custom-rm-path) stop on the exception (raise), verl's prime manager scores 0 (zero)."""
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -1,11 +1,12 @@
 """Prompt datasets: local jsonl/json/parquet or hub ids through HF datasets, or the builtin task;
 one file, a mixture of several (``data.path`` a list), or named held-out sets.
 
-Rows are read as a stream (a JSON-lines file line by line, parquet/json and hub datasets from HF
-datasets' Arrow cache a batch at a time), checked one by one and tokenized a chunk at a time in one
-tokenizer call (``iter_prompt_chunks``): nothing here holds the whole data set, so memory does not
-grow with it. ``load_prompts`` collects the chunks into ``Prompt`` objects (the held-out sets, the
-eval command); the trainer writes them to a columnar file instead (``prompt_store``).
+Rows are read as a stream (``readers``: a JSON-lines file line by line, parquet/json and hub
+datasets from HF datasets' Arrow cache a batch at a time), checked one by one and tokenized a
+chunk at a time in one tokenizer call (``iter_prompt_chunks``): nothing here holds the whole
+data set, so memory does not grow with it. ``load_prompts`` collects the chunks into ``Prompt``
+objects (the held-out sets, the eval command); the trainer writes them to a columnar file
+instead (``prompt_store``).
 
 A row's prompt is a string or a list of ``{role, content}`` chat messages (verl's parquet layout,
 HF chat datasets); field names may be dotted paths into nested columns (``reward_model.
@@ -26,20 +27,19 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from mugrpo_megatron.config import DataConfig
 from mugrpo_megatron.config.run import MESSAGE_ROLES, source_name
-from mugrpo_megatron.data.arithmetic import arithmetic_rows
+from mugrpo_megatron.data.readers import (
+    CHUNK_ROWS,
+    BadRow,
+    read_rows,
+    required_fields,
+)
 from mugrpo_megatron.types import LoadReport, Prompt
 
-BUILTIN_ARITHMETIC = "builtin:arithmetic"
-_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _MAX_EXAMPLES = 5
-CHUNK_ROWS = 1024
-"""Rows tokenized in one call (fast tokenizers batch them in Rust). Their per-token objects
-(~150 bytes a token, Rust and Python) are what a reader holds: ~20 MB at 1024 x 128 tokens."""
 _MISSING = object()
 
 
@@ -47,14 +47,6 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
 
     def __call__(self, text: str | list[str], **kwargs: Any) -> Any: ...
-
-
-class BadRow(ValueError):
-    """A row that cannot become a prompt; ``reason`` is short, for counting."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -127,15 +119,20 @@ def load_eval_sets(cfg: DataConfig, tokenizer: Tokenizer
     return out
 
 
-def iter_prompt_chunks(cfg: DataConfig, tokenizer: Tokenizer, report: LoadReport, *,
+def iter_prompt_chunks(cfg: DataConfig, tokenizer: Tokenizer | None, report: LoadReport, *,
                        held_out: bool = False, path: str | None = None, key: str | None = None,
-                       chunk_rows: int = CHUNK_ROWS) -> Iterator[PromptChunk]:
+                       chunk_rows: int = CHUNK_ROWS, tokenize_rows: int | None = None
+                       ) -> Iterator[PromptChunk]:
     """The kept prompts of ``path`` (default: the only ``data.path``) in row order,
     ``chunk_rows`` rows read at a time; with ``held_out`` its first ``data.eval_size``, the
     builtin task's held-out draw. ``report`` counts rows, kept prompts and skipped rows as they
     go (complete once the iterator is done). ValueError, naming the file, row and field, for a
     bad row under ``data.on_bad_row: error``, a column no record has, or a data set without a
-    usable prompt; ``key`` names the setting in messages."""
+    usable prompt; ``key`` names the setting in messages.
+
+    Without a ``tokenizer``, and past the first ``tokenize_rows`` kept rows, rows are checked as
+    above but not rendered: their chunks hold no texts or token ids and their prompt length is
+    not checked (the checks before a run: ``inputs.check_inputs``)."""
     if path is None:
         if len(cfg.paths) != 1:
             raise ValueError("iter_prompt_chunks reads one path at a time (data.path is a list)")
@@ -143,7 +140,7 @@ def iter_prompt_chunks(cfg: DataConfig, tokenizer: Tokenizer, report: LoadReport
     if held_out and cfg.eval_size == 0:
         return
     key = key or ("data.eval_path" if held_out else "data.path")
-    rows, source, columns_known = _read_rows(path, cfg, held_out=held_out, key=key)
+    rows, source, columns_known = read_rows(path, cfg, held_out=held_out, key=key)
     report.source = source
     stem = source_name(path)
     limit = cfg.eval_size if held_out else None
@@ -154,16 +151,20 @@ def iter_prompt_chunks(cfg: DataConfig, tokenizer: Tokenizer, report: LoadReport
     def flush() -> PromptChunk:
         nonlocal pending, bad
         chunk = PromptChunk()
-        texts, ids = render_prompts([f.prompt for _, _, f in pending], cfg, tokenizer)
+        render = tokenizer is not None and (tokenize_rows is None
+                                            or report.num_kept < tokenize_rows)
+        texts, ids = (render_prompts([f.prompt for _, _, f in pending], cfg, tokenizer) if render
+                      else ([None] * len(pending), [None] * len(pending)))
         for (i, line, f), text, tok in zip(pending, texts, ids):
-            if len(tok) > cfg.max_prompt_tokens:
+            if tok is not None and len(tok) > cfg.max_prompt_tokens:
                 bad.append((i, line, BadRow("prompt too long", f"prompt has {len(tok)} tokens, "
                                             f"over data.max_prompt_tokens={cfg.max_prompt_tokens}")))
                 continue
             chunk.rows.append(i)
-            chunk.texts.append(text)
+            if tok is not None:
+                chunk.texts.append(text)
+                chunk.token_ids.append(tok)
             chunk.answers.append(f.answer)
-            chunk.token_ids.append(tok)
             chunk.sources.append(f.source)
             chunk.metadata.append(f.metadata)
         for i, line, e in sorted(bad, key=lambda b: b[0]):  # in row order, as they are numbered
@@ -219,17 +220,6 @@ def _bad_row(e: BadRow, i: int, line: int | None, source: str, cfg: DataConfig,
         report.examples.append(f"{where}: {e}")
 
 
-# A row as read: the record, or the reason it could not be read; and its line (JSON lines only).
-_Row = tuple["dict | BadRow", "int | None"]
-
-
-def required_fields(cfg: DataConfig) -> dict[str, str]:
-    """The fields every row must have, by the setting that names them."""
-    out = {"data.prompt_field": cfg.prompt_field, "data.answer_field": cfg.answer_field}
-    out.update({f"data.metadata_fields[{i}]": f for i, f in enumerate(cfg.metadata_fields)})
-    return out
-
-
 def dotted(row: dict, name: str) -> Any:
     """``row``'s field ``name``: a column of that name, else a dotted path into nested ones
     (``reward_model.ground_truth``); ``_MISSING`` where there is none."""
@@ -270,109 +260,6 @@ class _Columns:
             if name not in self.found:
                 raise ValueError(f"{self.source}: no column {name!r} ({key}); columns are "
                                  f"{list(self.keys)}")
-
-
-def _read_rows(path: str, cfg: DataConfig, *, held_out: bool, key: str
-               ) -> tuple[Iterator[_Row], str, bool]:
-    """The rows of ``path`` as an iterator (nothing read ahead), its name for messages, and
-    whether its columns were checked already."""
-    if path == BUILTIN_ARITHMETIC:
-        train = arithmetic_rows(cfg.num_arithmetic_problems, max_operand=cfg.arithmetic_max_operand,
-                                seed=cfg.seed)
-        if not held_out:
-            return ((r, None) for r in train), BUILTIN_ARITHMETIC, True
-        exclude = frozenset(r["question"] for r in train)
-        held = arithmetic_rows(cfg.eval_size, max_operand=cfg.arithmetic_max_operand,
-                               seed=cfg.seed + 1_000_003, exclude=exclude)
-        return ((r, None) for r in held), f"{BUILTIN_ARITHMETIC} (held out)", True
-    local = Path(path)
-    fmt = _FILE_FORMATS.get(local.suffix.lower())
-    if fmt is not None:
-        if not local.is_file():
-            raise ValueError(f"{key}: file not found: {path}")
-        if local.stat().st_size == 0:
-            raise ValueError(f"{key}: {path} is empty")
-    elif local.exists():
-        raise ValueError(f"{key}: {path} is not a .jsonl, .json or .parquet file")
-    if local.suffix.lower() == ".jsonl":
-        return _jsonl_rows(local), str(local), False
-    import datasets  # heavy; only when a real dataset is read
-
-    datasets.disable_progress_bars()
-    if fmt is not None:
-        try:
-            ds = datasets.load_dataset(fmt, data_files=str(local), split="train")
-        except Exception as e:  # noqa: BLE001 - datasets wraps every parse error; say where
-            raise ValueError(f"{key}: cannot read {path}: {_utf8_problem(local) or e}") from e
-        source = str(local)
-    else:
-        try:
-            ds = datasets.load_dataset(path, split=cfg.split)
-        except Exception as e:
-            raise ValueError(f"{key}: {path!r} is neither a local file nor a loadable hub dataset "
-                             f"(split {cfg.split!r}): {e}") from e
-        source = path
-    columns = []
-    for setting, name in required_fields(cfg).items():  # the top-level column each lives in
-        top = name if name in ds.column_names else name.split(".", 1)[0]
-        if top not in ds.column_names:
-            raise ValueError(f"{source}: no column {name!r} ({setting}); columns are "
-                             f"{ds.column_names}")
-        columns.append(top)
-    source_top = cfg.source_field if cfg.source_field in ds.column_names else \
-        cfg.source_field.split(".", 1)[0]
-    if source_top in ds.column_names:
-        columns.append(source_top)
-    # the nested fields are checked row by row (a struct column can lack a key in some rows)
-    checked = all("." not in n or n in ds.column_names for n in required_fields(cfg).values())
-    return _dataset_rows(ds.select_columns(list(dict.fromkeys(columns)))), source, checked
-
-
-def _dataset_rows(ds) -> Iterator[_Row]:
-    """An HF dataset's rows, read from its memory-mapped Arrow cache a batch at a time."""
-    for batch in ds.iter(batch_size=CHUNK_ROWS):
-        names = list(batch)
-        for values in zip(*(batch[n] for n in names)):
-            yield dict(zip(names, values)), None
-
-
-def _jsonl_rows(path: Path) -> Iterator[_Row]:
-    """Every non-blank line of a JSON-lines file, parsed, with its line number, as it is read.
-
-    Written here rather than read through HF datasets, which stops at the first malformed line
-    without naming it: a line that is not UTF-8, not JSON or not an object becomes a ``BadRow``
-    for that line, so ``data.on_bad_row: skip`` skips it like any other bad row."""
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield BadRow("not UTF-8", f"not UTF-8 text (byte {e.start} of the line)"), lineno
-                continue
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield BadRow("invalid JSON", f"invalid JSON: {e.msg} (character {e.pos + 1})"), \
-                    lineno
-                continue
-            if not isinstance(obj, dict):
-                yield BadRow("not an object", f"expected a JSON object, got "
-                                              f"{type(obj).__name__}"), lineno
-                continue
-            yield obj, lineno
-
-
-def _utf8_problem(path: Path) -> str:
-    """Where a file stops being UTF-8 text ('' if it is)."""
-    data = path.read_bytes()
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        return f"not UTF-8 text at line {line} (byte {e.start})"
-    return ""
 
 
 def check_row(row: dict, cfg: DataConfig, stem: str) -> RowFields:

@@ -54,6 +54,7 @@ from mugrpo_megatron.phase.refill import (
 from mugrpo_megatron.phase.schedule import Phase
 from mugrpo_megatron.phase.store import Advantages, ScoredGroup, finalize, write_shard
 from mugrpo_megatron.rewards import PendingScores, RewardScorer, RowInfo
+from mugrpo_megatron.rewards.scorer import MAX_FAILURE_EXAMPLES, describe_failures
 from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
 
 _MAX_PENDING_SHARDS = 4
@@ -84,8 +85,11 @@ class ReplicaCounts:
     """Refill rounds this replica made (the most over the replicas, not summed)."""
     score_wait_seconds: float = 0.0
     """Rank 0's leader, blocked on its reward pool (not summed)."""
+    failed_by_source: dict[str, int] = field(default_factory=dict)
+    """Responses whose reward failed (errors and timeouts), by source."""
     messages: list[str] = field(default_factory=list)
-    """The first reward errors, for the user (not summed)."""
+    """The first reward failures with their source, row and error (the replicas' first few,
+    gathered)."""
     queued: int = 0
     """Prompts the replica kept in its engine at once (not summed)."""
 
@@ -93,11 +97,23 @@ class ReplicaCounts:
         return [self.groups, self.responses, self.tokens, self.reward_timeouts,
                 self.reward_errors, self.shards, self.informative, self.refill_groups]
 
+    @property
+    def reward_failures(self) -> int:
+        return self.reward_timeouts + self.reward_errors
+
+    def describe_failures(self) -> str:
+        """The reward failures in one line (``rewards.describe_failures``)."""
+        return describe_failures(self.reward_failures, self.responses, self.failed_by_source,
+                                 self.messages)
+
     def record(self, rec: PhaseRecord, seconds: float) -> None:
         """Put the numbers of a generation that took ``seconds`` into the phase's record."""
         rec.generate_seconds = seconds
         rec.score_seconds = self.score_wait_seconds
         rec.reward_timeouts, rec.reward_errors = self.reward_timeouts, self.reward_errors
+        if self.reward_failures:
+            rec.reward_failures_by_source = dict(self.failed_by_source)
+            rec.reward_failure_examples = list(self.messages)
         rec.generated_groups, rec.rollout_shards = self.groups, self.shards
         rec.refill_groups, rec.refill_rounds = self.refill_groups, self.refill_rounds
         rec.inflight_prompts = self.queued
@@ -142,7 +158,7 @@ def generate_phase(fleet: EngineFleet, directory: Path, phase: Phase, r: Rollout
                 if writer is not None and not failure.error:
                     # a failed write does not stop the engine: the other ranks of this
                     # replica's tensor-parallel group step with it until the share is done
-                    with failure.kept("writing rollouts: "):
+                    with failure.kept("scoring and writing rollouts: "):
                         writer.add(positions[i], gens)
                 bar.update(1)
 
@@ -154,7 +170,7 @@ def generate_phase(fleet: EngineFleet, directory: Path, phase: Phase, r: Rollout
             while True:
                 size = 0
                 if writer is not None and not failure.error:
-                    with failure.kept("writing rollouts: "):
+                    with failure.kept("scoring and writing rollouts: "):
                         writer.drain()  # every group of the share scored: the deficit is known
                         size = plan.next_round(counts.informative, counts.groups, len(more))
                 size = fleet.replica_agree(size)  # the replica's ranks queue the same prompts
@@ -167,7 +183,7 @@ def generate_phase(fleet: EngineFleet, directory: Path, phase: Phase, r: Rollout
         if writer is not None and not failure.error:
             writer.close()
     bar.close()
-    total = sum_counts(counts)
+    total = sum_counts(counts, prompts.sources)
     on_rank0(finalize, directory, planned, r.group_size, advantages)
     return total
 
@@ -222,7 +238,7 @@ class ShardWriter:
         texts = [t for _, ts, _ in groups for t in ts]
         answers = [p.answer for _, ts, p in groups for _ in ts]
         rows = [row for _, ts, p in groups
-                for row in [RowInfo(p.source, p.text, p.metadata)] * len(ts)]
+                for row in [RowInfo(p.source, p.text, p.metadata, p.index)] * len(ts)]
         self._scoring.append(([g for g, _, _ in groups],
                               self.scorer.submit(texts, answers, rows)))
 
@@ -234,7 +250,10 @@ class ShardWriter:
             self.counts.score_wait_seconds += time.perf_counter() - t0
             self.counts.reward_timeouts += outcome.num_timeouts
             self.counts.reward_errors += outcome.num_errors
-            self.counts.messages += outcome.errors[:max(0, 5 - len(self.counts.messages))]
+            for source, n in outcome.failed_by_source.items():
+                self.counts.failed_by_source[source] = self.counts.failed_by_source.get(source, 0) + n
+            self.counts.messages += outcome.errors[:max(0, MAX_FAILURE_EXAMPLES
+                                                          - len(self.counts.messages))]
             rewards = iter(outcome.rewards)
             scored = [replace(g, rewards=[next(rewards) for _ in g.responses]) for g in groups]
             write_shard(self.directory, scored)
@@ -247,17 +266,30 @@ class ShardWriter:
             wait = False  # one shard per call when back-pressure asked for it
 
 
-def sum_counts(counts: ReplicaCounts) -> ReplicaCounts:
-    """Every replica's counts, summed on every rank (two small all-reduces: the sums, and the
-    most refill rounds). Only leaders count."""
-    t = torch.tensor(counts.totals(), dtype=torch.int64, device=distributed.device())
+def sum_counts(counts: ReplicaCounts, sources: Sequence[str]) -> ReplicaCounts:
+    """Every replica's counts, summed on every rank (two small all-reduces: the sums, with the
+    reward failures of each of the prompt set's ``sources``, and the most refill rounds). Only
+    leaders count. Where any reward failed (every rank knows it from the sums), the replicas'
+    first failures are gathered too (an all-gather of a few short strings a rank), so that the
+    phase names them whichever replica saw them."""
+    by_source = [counts.failed_by_source.get(s, 0) for s in sources]
+    t = torch.tensor(counts.totals() + by_source, dtype=torch.int64, device=distributed.device())
     rounds = torch.tensor([counts.refill_rounds], dtype=torch.int64, device=distributed.device())
+    messages = counts.messages
     if dist.get_world_size() > 1:
         dist.all_reduce(t)
         dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
-    return ReplicaCounts(*t.cpu().tolist(), refill_rounds=int(rounds.item()),
-                         score_wait_seconds=counts.score_wait_seconds, messages=counts.messages,
-                         queued=counts.queued)
+    sums = t.cpu().tolist()
+    totals = sums[:len(sums) - len(sources)]
+    out = ReplicaCounts(*totals, refill_rounds=int(rounds.item()),
+                        score_wait_seconds=counts.score_wait_seconds, queued=counts.queued,
+                        failed_by_source={s: n for s, n in zip(sources, sums[len(totals):]) if n})
+    if out.reward_failures and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, messages)
+        messages = [m for ms in gathered for m in ms]
+    out.messages = messages[:MAX_FAILURE_EXAMPLES]
+    return out
 
 
 def sampling_for_phase(r, phase_index: int) -> SamplingSpec:

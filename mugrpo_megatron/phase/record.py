@@ -48,6 +48,10 @@ class PhaseRecord:
     rollout_shards: int = 0
     reward_timeouts: int = 0
     reward_errors: int = 0
+    reward_failures_by_source: dict[str, int] | None = None
+    """Responses whose reward failed (errors and timeouts; each scored 0), by source."""
+    reward_failure_examples: list[str] | None = None
+    """The first few failures: source, data row and error."""
     inflight_prompts: int = 0
     # checks and the behaviour pass
     logprob_gap_mean: float | None = None

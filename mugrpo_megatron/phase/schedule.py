@@ -20,7 +20,7 @@ for the next shuffle.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from mugrpo_megatron.config import AlgoConfig, Config
-from mugrpo_megatron.config.run import MIXTURE_BLOCK
+from mugrpo_megatron.config.run import MIXTURE_BLOCK, source_name
 
 PLANNED_FROM = 2
 """A phase after the first generates for the longest of this many phases before it."""
@@ -169,12 +169,23 @@ class PhaseScheduler:
         planned = max_updates
         if self.algo.max_drift is not None and any(e.end == "drift" for e in ended):
             planned = min(max_updates, max(e.updates for e in ended[-PLANNED_FROM:]))
-        num = math.ceil(self.prompts_per_phase * planned / self.updates_per_phase)
-        num = max(num, math.ceil(self.samples_per_update / self.group_size))
+        num = phase_prompts(self.algo, self.group_size, planned)
         start = sum(e.prompts for e in ended)
         return Phase(index=len(ended), first_update=first, max_updates=max_updates,
                      planned_updates=planned, prompt_start=start,
                      prompt_indices=self._prompts(start, num))
+
+    def unseen_sources(self, sources_of: Callable[[Sequence[int]], Sequence[str]],
+                       all_sources: Sequence[str]) -> list[str]:
+        """The prompt set's sources (``all_sources``) that no prompt the run draws has (as
+        planned without early ends, ``run_draws``), where the run draws at most one mixture
+        block (``MIXTURE_BLOCK``); [] for a longer run, whose draws follow the weights.
+        ``sources_of(indices)``: the sources of those prompts (at most a block of reads)."""
+        draws = run_draws(self.algo, self.group_size)
+        if draws > MIXTURE_BLOCK:
+            return []
+        seen = set(sources_of(self._prompts(0, draws)))
+        return [s for s in all_sources if s not in seen]
 
     def phase(self, index: int) -> Phase:
         """Phase ``index`` of the schedule without early ends (every phase runs mu updates)."""
@@ -311,6 +322,17 @@ class Mixture:
             self._blocks[b] = (order, draw)
         return self._blocks[b]
 
+    def draws(self, num: int) -> list[int]:
+        """Each file's draws among the stream's first ``num`` positions (its sizes play no
+        part: which file a position draws from depends on the weights and the seed only)."""
+        b, rest = divmod(num, MIXTURE_BLOCK)
+        self._counts(b)  # the blocks up to b laid out
+        out = list(self._drawn[b])
+        if rest:
+            order, _ = self._block(b)
+            out = [n + int((order[:rest] == f).sum()) for f, n in enumerate(out)]
+        return out
+
     def prompts(self, start: int, num: int) -> tuple[int, ...]:
         """The kept-prompt indices at positions [start, start + num) of the stream."""
         out: list[int] = []
@@ -344,6 +366,55 @@ class ScheduleState:
         mu = algo.updates_per_phase
         return cls([PhaseEnd(i, i * mu, mu, "mu", algo.prompts_per_phase)
                     for i in range(counters["update"] // mu)], [])
+
+
+def phase_prompts(algo: AlgoConfig, group_size: int, planned_updates: int) -> int:
+    """Prompts a phase generated for ``planned_updates`` draws: prompts_per_phase in proportion
+    to mu, and at least one update's worth."""
+    num = math.ceil(algo.prompts_per_phase * planned_updates / algo.updates_per_phase)
+    return max(num, math.ceil(algo.samples_per_update / group_size))
+
+
+def run_draws(algo: AlgoConfig, group_size: int) -> int:
+    """Prompts the run draws over all its phases, as planned without early ends (a drift bound
+    plans its phases from how the last ended: about as many; refill draws more)."""
+    draws, first = 0, 0
+    while first < algo.total_updates:
+        updates = min(algo.updates_per_phase, algo.total_updates - first)
+        draws += phase_prompts(algo, group_size, updates)
+        first += updates
+    return draws
+
+
+def mixture_coverage(cfg: Config) -> str:
+    """For a mixture with ``data.weights``, whether the run draws enough prompts for them to
+    hold, in words ('' when it does: more than a block of ``MIXTURE_BLOCK`` and every file
+    drawn): each file's draws over the run against its weight's share, and the files (their
+    sources and reward routes) it never draws."""
+    d, a = cfg.data, cfg.algo
+    if d.weights is None or len(d.paths) < 2:
+        return ""
+    draws = run_draws(a, cfg.rollout.group_size)
+    got = Mixture([1] * len(d.paths), d.weights, a.seed).draws(draws)
+    if draws >= MIXTURE_BLOCK and all(got):
+        return ""
+    total = sum(d.weights)
+    each = ", ".join(f"{source_name(p)} {n} (weight's share {draws * w / total:.1f})"
+                     for p, w, n in zip(d.paths, d.weights, got))
+    text = (f"data.weights: the run draws {draws} prompts"
+            + (" (more with uniform_groups: refill)" if a.uniform_groups == "refill" else "")
+            + f"; the weights hold exactly over each block of {MIXTURE_BLOCK} draws"
+            + (", and this run is shorter than one" if draws < MIXTURE_BLOCK else "")
+            + f": it draws {each}")
+    never = [i for i, n in enumerate(got) if not n]
+    if never:
+        text += ("; it never draws from " + ", ".join(f"data.path[{i}] ({d.paths[i]})"
+                                                      for i in never)
+                 + ", so their sources (each file's stem unless its rows name one in "
+                   f"data.source_field {d.source_field!r}) and any reward.by_source route only "
+                   "they use are never seen. Raise algo.total_updates or algo.prompts_per_phase, "
+                   "or those files' weights")
+    return text
 
 
 def passes(updates: int, samples_per_update: int, num_samples: int) -> float:

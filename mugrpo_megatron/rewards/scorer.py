@@ -10,6 +10,15 @@ minutes on it); a batch that overruns ``timeout_s`` or loses its worker is score
 response per task, so the limit still holds per response, at twice ``timeout_s`` for a batch
 with a hanging response. We use pebble rather than ``concurrent.futures`` because the latter
 cannot stop a running task.
+
+A failure (the function raised, returned something other than a finite number within
+``reward.max_abs_reward``, or ran past ``timeout_s``) scores 0 and is counted by the response's
+source, the first few kept with their source, data row and error (``RewardOutcome``); with
+``reward.on_error: raise`` a function's failure raises ``RewardFailed`` instead, naming the same.
+
+No worker outlives the process that owns the pool, however that process ends: each asks the
+kernel, as it starts, to be killed when its parent dies (``procs.die_with_parent``), so a
+SIGKILL of ``train`` leaves no worker holding memory.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import json
 import math
 import multiprocessing
 import numbers
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -25,6 +35,7 @@ from dataclasses import dataclass, field
 from pebble import ProcessExpired, ProcessPool
 
 from mugrpo_megatron.config import RewardConfig
+from mugrpo_megatron.procs import die_with_parent
 from mugrpo_megatron.rewards.registry import RewardFn, RewardSpec, resolve_reward
 
 
@@ -37,6 +48,13 @@ class RowInfo:
     """The prompt as rendered (the text of the token ids the engine was given)."""
     metadata: str = ""
     """The row's ``data.metadata_fields`` as a JSON object ('' without any)."""
+    row: int = -1
+    """The prompt's row in its data file (0-based), to name it when its reward fails; never
+    given to the function."""
+
+    def where(self) -> str:
+        """The row as failure messages name it: its source and data row."""
+        return f"{self.source or '(no source)'} row {self.row}"
 
 
 def reward_specs(cfg: RewardConfig) -> tuple[list[RewardSpec], dict[str, int]]:
@@ -54,6 +72,15 @@ def reward_specs(cfg: RewardConfig) -> tuple[list[RewardSpec], dict[str, int]]:
     return specs, route
 
 
+class RewardFailed(RuntimeError):
+    """A reward function failed under ``reward.on_error: raise``; the message names the source,
+    the data row, the function and the error."""
+
+
+MAX_FAILURE_EXAMPLES = 5
+"""Failures kept with their message, a batch and a phase (every one is counted)."""
+
+
 @dataclass
 class RewardOutcome:
     """Rewards of one batch, and what went wrong while scoring it."""
@@ -65,21 +92,41 @@ class RewardOutcome:
     num_errors: int = 0
     """Responses whose reward function raised, or returned something other than a finite number
     within reward.max_abs_reward (a string, a bool, NaN, 1e308...)."""
+    failed_by_source: dict[str, int] = field(default_factory=dict)
+    """Failed responses (errors and timeouts) by their source ('' for a response without a row)."""
     errors: list[str] = field(default_factory=list)
-    """The first few error messages, with the response index."""
+    """The first few failures: each response's source and data row (its index in the batch
+    without a row) and the error."""
+
+    @property
+    def num_failed(self) -> int:
+        return self.num_errors + self.num_timeouts
+
+
+def describe_failures(failed: int, responses: int, by_source: dict[str, int],
+                      examples: list[str]) -> str:
+    """Reward failures in one line, for the console, the phase log and eval's output: how many
+    of how many responses, by source, and the first few with their row and error."""
+    sources = ", ".join(f"{s or '(no source)'} {n}" for s, n in sorted(by_source.items()) if n)
+    return (f"{failed} of {responses} responses failed to score and scored 0"
+            + (f" (by source: {sources})" if sources else "")
+            + (f"; first: {'; '.join(examples)}" if examples else ""))
 
 
 class RewardScorer:
     """Scores (completion, answer) pairs in worker processes with a per-response time limit."""
-
-    max_error_messages = 5
 
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg
         self.specs, self.route = reward_specs(cfg)  # fail now, in the parent, with a clear message
         # spawn: the parent may hold threads (torch, the engine) that make fork unsafe.
         self._pool = ProcessPool(max_workers=cfg.num_workers,
-                                 context=multiprocessing.get_context("spawn"))
+                                 context=multiprocessing.get_context("spawn"),
+                                 initializer=die_with_parent, initargs=(os.getpid(),))
+        # started now, by this thread: Linux sends the parent-death signal when the *thread*
+        # that started a worker ends, and pebble starts its first workers in the thread of the
+        # first task (its replacements in its own manager thread, which lives with the pool)
+        self._pool.schedule(os.getpid)
 
     def score(self, completions: Sequence[str], answers: Sequence[str],
               rows: Sequence[RowInfo] | None = None,
@@ -99,9 +146,10 @@ class RewardScorer:
             raise ValueError(f"{len(answers)} answers but {len(rows)} rows")
         items = [self._item(c, a, rows[i] if rows is not None else None)
                  for i, (c, a) in enumerate(zip(completions, answers))]
+        rows = list(rows) if rows is not None else [None] * len(items)
         k = self.cfg.batch_responses
-        return PendingScores(self, [(batch, self._schedule(batch)) for batch in
-                                    (items[i:i + k] for i in range(0, len(items), k))])
+        return PendingScores(self, [(items[i:i + k], rows[i:i + k], self._schedule(items[i:i + k]))
+                                    for i in range(0, len(items), k)])
 
     def _item(self, completion: str, answer: str, row: RowInfo | None) -> tuple:
         """One response as a worker scores it: its function and arguments, only what the
@@ -132,8 +180,25 @@ class RewardScorer:
                              f"(reward.max_abs_reward)")
         return value
 
-    def _note(self, out: RewardOutcome, message: str) -> None:
-        if len(out.errors) < self.max_error_messages:
+    def _failed(self, out: RewardOutcome, i: int, row: RowInfo | None, spec: int,
+                error: str | None) -> None:
+        """Count response ``i``'s failure (``error``; None: it timed out) by its source and keep
+        the first few; under ``reward.on_error: raise`` a function's error raises instead."""
+        where = row.where() if row is not None else f"response {i}"
+        if error is None:
+            out.num_timeouts += 1
+            message = f"{where}: scoring took over {self.cfg.timeout_s:g} s (reward.timeout_s)"
+        else:
+            out.num_errors += 1
+            message = f"{where}: {error[:200]}"
+            if self.cfg.on_error == "raise":
+                raise RewardFailed(
+                    f"reward.on_error is 'raise' and the reward of {where} failed: {error[:500]} "
+                    f"({self.specs[spec].path}). Fix the function or its data, or set "
+                    f"reward.on_error: zero to score such responses 0 and go on")
+        source = row.source if row is not None else ""
+        out.failed_by_source[source] = out.failed_by_source.get(source, 0) + 1
+        if len(out.errors) < MAX_FAILURE_EXAMPLES:
             out.errors.append(message)
 
     def close(self) -> None:
@@ -153,37 +218,34 @@ class PendingScores:
     def __init__(self, scorer: RewardScorer, batches: list):
         self._scorer = scorer
         self._batches = batches
-        """(the batch's items, future of its per-response outcomes)."""
+        """(the batch's items, their rows, future of its per-response outcomes)."""
 
     def done(self) -> bool:
-        return all(f.done() for _, f in self._batches)
+        return all(f.done() for _, _, f in self._batches)
 
     def result(self, on_done: Callable[[int], None] | None = None) -> RewardOutcome:
+        """The batch's rewards and failures; ``RewardFailed`` at a function's first failure under
+        ``reward.on_error: raise``."""
         scorer = self._scorer
         out = RewardOutcome(rewards=[])
-        for items, fut in self._batches:
+        for items, rows, fut in self._batches:
             try:
                 outcomes = fut.result()
             except (Exception, ProcessExpired):  # noqa: BLE001 - a timeout, or a dead worker
                 # the batch ran past timeout_s or its worker died: score each response alone,
                 # under its own limit, to find the one at fault and keep the others' rewards
                 outcomes = [self._alone(scorer._schedule([item])) for item in items]
-            for ok, value in outcomes:
+            for (ok, value), item, row in zip(outcomes, items, rows):
                 i = len(out.rewards)
                 out.rewards.append(0.0)
-                error = value if ok == "error" else None
-                if ok == "timeout":
-                    out.num_timeouts += 1
-                    scorer._note(out, f"response {i}: scoring took over {scorer.cfg.timeout_s} s,"
-                                      f" scored 0")
-                elif ok == "ok":
+                error = str(value) if ok == "error" else None
+                if ok == "ok":
                     try:
                         out.rewards[i] = scorer._checked(value)
                     except ValueError as e:  # not a finite number within range: scores 0
                         error = f"ValueError: {e}"
-                if error is not None:
-                    out.num_errors += 1
-                    scorer._note(out, f"response {i}: {str(error)[:200]}")
+                if ok == "timeout" or error is not None:
+                    scorer._failed(out, i, row, item[0], error)
                 if on_done is not None:
                     on_done(1)
         return out
