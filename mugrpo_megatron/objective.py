@@ -194,6 +194,8 @@ def policy_loss(
     *,
     clip_low: float,
     clip_high: float,
+    clip_ratio_c: float | None = None,
+    log_ratio_clamp: float | None = None,
     veto_threshold: float | None = None,
     veto_scope: str = "suffix",
     veto_prefix_bound: float | None = None,
@@ -228,6 +230,12 @@ def policy_loss(
     ``entropy``). ``veto_threshold=None`` disables the veto (``veto_prefix_bound`` is the bound
     of scope 'prefix'). Relaxed clipping [0, 5] is clip_low=1, clip_high=4.
 
+    verl's options, each off by default here (no paper's formula has them): ``clip_ratio_c``, the
+    dual clip, surrogate = max(surrogate, clip_ratio_c * A) where A < 0; ``log_ratio_clamp``, the
+    surrogate's ratio from the log-ratio clamped to +-it. With both at verl's 3 and 20 the loss
+    is verl's ``compute_policy_loss_vanilla`` (``tests/test_loss_terms.py``). The veto and the
+    metrics read the log-ratio as it is.
+
     Metrics (0-dim detached float tensors): the means listed below over this call's tokens, and the
     ``num_*`` counts they were taken over, so that callers can combine microbatches exactly; and
     the loss's parts (``pg_loss``, ``kl_loss``, ``entropy_loss``: each already divided by the
@@ -247,10 +255,17 @@ def policy_loss(
         keep_bt = veto_mask(log_ratio_bt.detach(), adv_b1.squeeze(1), response_bt, veto_threshold,
                             veto_scope, veto_prefix_bound)
 
-    rho_clipped_bt = torch.clamp(rho_bt, 1.0 - clip_low, 1.0 + clip_high)
-    surr_bt = rho_bt * adv_b1
+    rho_loss_bt = rho_bt if log_ratio_clamp is None else torch.exp(
+        torch.clamp(log_ratio_bt, -log_ratio_clamp, log_ratio_clamp))
+    rho_clipped_bt = torch.clamp(rho_loss_bt, 1.0 - clip_low, 1.0 + clip_high)
+    surr_bt = rho_loss_bt * adv_b1
     surr_clipped_bt = rho_clipped_bt * adv_b1
     surrogate_bt = torch.minimum(surr_bt, surr_clipped_bt)
+    dual_bt = None
+    if clip_ratio_c is not None:  # an A < 0 token's loss at most clip_ratio_c * |A|
+        floor_b1 = clip_ratio_c * adv_b1
+        dual_bt = (adv_b1 < 0) & (surrogate_bt < floor_b1)
+        surrogate_bt = torch.where(adv_b1 < 0, torch.maximum(surrogate_bt, floor_b1), surrogate_bt)
 
     num_local = response_bt.sum()
 
@@ -283,8 +298,11 @@ def policy_loss(
         loss = loss + entropy_loss
 
     with torch.no_grad():
-        # A token is clipped when the clipped branch is strictly smaller: its gradient is zero.
+        # A token is clipped when the clipped branch is strictly smaller: its gradient is zero
+        # (one the dual clip floors counts as dual-clipped, not here).
         clipped_bt = keep_bt & (surr_clipped_bt < surr_bt)
+        if dual_bt is not None:
+            clipped_bt = clipped_bt & ~dual_bt
         clipped_low_bt = clipped_bt & (rho_bt < 1.0 - clip_low)
         neg_bt = response_bt & (adv_b1 < 0)
         neg_kept_bt = keep_bt & (adv_b1 < 0)
@@ -297,6 +315,8 @@ def policy_loss(
             "clip_frac": _safe_div(clipped_bt.sum(), num_kept),
             "clip_frac_low": _safe_div(clipped_low_bt.sum(), num_kept),
             "clip_frac_high": _safe_div((clipped_bt & ~clipped_low_bt).sum(), num_kept),
+            "clip_frac_dual": _safe_div((keep_bt & dual_bt).sum(), num_kept)
+            if dual_bt is not None else num_kept.new_zeros((), dtype=torch.float64),
             "veto_frac": _safe_div(num_local - num_kept, num_local),
             "veto_response_frac": _safe_div(vetoed_responses, num_neg_responses),
             "rho_neg_mean": _safe_div((rho_bt * neg_bt).sum(), num_neg),
@@ -337,6 +357,7 @@ METRIC_WEIGHTS: dict[str, str] = {
     "clip_frac": "num_kept_tokens",
     "clip_frac_low": "num_kept_tokens",
     "clip_frac_high": "num_kept_tokens",
+    "clip_frac_dual": "num_kept_tokens",
     "veto_frac": "num_tokens",
     "veto_response_frac": "num_neg_responses",
     "rho_neg_mean": "num_neg_tokens",

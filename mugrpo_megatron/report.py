@@ -13,7 +13,8 @@ from mugrpo_megatron.metrics import read_metrics
 PLOTTED = [
     (("reward",), "reward (minibatch mean)"),
     (("grad_norm",), "gradient norm (before clipping)"),
-    (("clip_frac_low", "clip_frac_high"), "clipped token fraction: low, high"),
+    (("clip_frac_low", "clip_frac_high", "clip_frac_dual"),
+     "clipped token fraction: low, high, dual (algo.clip_ratio_c)"),
     (("veto_frac", "veto_response_frac"), "vetoed: token fraction, A < 0 response fraction"),
     (("rho_neg_mean",), "E[rho | A < 0]"),
     (("log_rho_neg_mean",), "mean log rho over A < 0 tokens"),

@@ -231,3 +231,59 @@ def test_vocab_parallel_entropy_gradient_at_tp2(tmp_path):
     from helpers import spawn_ranks
 
     assert spawn_ranks(_entropy_worker, str(tmp_path), ranks=2, timeout=300) == [0, 0]
+
+
+def verl_vanilla(logp, behav, adv, resp, clip_low, clip_high, clip_ratio_c=3.0):
+    """verl's ``compute_policy_loss_vanilla`` (core_algos.py, 2026), written from its formula
+    with token-mean aggregation: the log-ratio clamped to +-20, the PPO clip, and for A < 0 the
+    dual clip min(-A * c, max(-A * rho, -A * clip(rho))). A token at a time."""
+    B, T = len(logp), len(logp[0])
+    total, count = 0.0, 0
+    for b in range(B):
+        for t in range(T):
+            if not resp[b][t]:
+                continue
+            rho = math.exp(min(max(logp[b][t] - behav[b][t], -20.0), 20.0))
+            a = adv[b]
+            loss = max(-a * rho, -a * min(max(rho, 1 - clip_low), 1 + clip_high))
+            if a < 0:
+                loss = min(-a * clip_ratio_c, loss)
+            total, count = total + loss, count + 1
+    return total / max(count, 1)
+
+
+@pytest.mark.parametrize("clip", [dict(clip_low=0.2, clip_high=0.28), dict(clip_low=1.0,
+                                                                            clip_high=4.0)])
+def test_verl_s_dual_clip_and_log_ratio_clamp_are_options(clip):
+    """Our loss equals verl's vanilla loss with clip_ratio_c 3 and the +-20 clamp on (value and
+    gradient, log-ratios out to +-60); without them it differs where they act (the dual clip on
+    A < 0 tokens past c, the clamp past 20), as issue 42 measured: a token with A < 0 and a
+    log-ratio near 40 dominates the update without them."""
+    for seed in range(4):
+        logp, behav, adv, resp = random_batch(seed, spread=20.0)  # log-ratios to about +-60
+        logp = logp.clone().requires_grad_(True)
+        ours, m = policy_loss(logp, behav, adv, resp, **clip, clip_ratio_c=3.0,
+                              log_ratio_clamp=20.0)
+        ours.backward()
+        lists = [x.tolist() for x in (logp.detach(), behav, adv, resp)]
+        want = verl_vanilla(*lists, **clip)
+        assert float(ours) == pytest.approx(want, rel=1e-10, abs=1e-12)
+        # the gradient by finite differences of verl's formula, at 12 tokens
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(12):
+            b, t = int(torch.randint(len(adv), (1,), generator=g)), int(
+                torch.randint(logp.shape[1], (1,), generator=g))
+            h = 1e-6
+            up, down = [row[:] for row in lists[0]], [row[:] for row in lists[0]]
+            up[b][t] += h
+            down[b][t] -= h
+            numeric = (verl_vanilla(up, *lists[1:], **clip)
+                       - verl_vanilla(down, *lists[1:], **clip)) / (2 * h)
+            assert float(logp.grad[b, t]) == pytest.approx(numeric, abs=1e-6), (seed, b, t)
+        assert 0 < m["clip_frac_dual"] < 1
+        plain, _ = policy_loss(logp.detach(), behav, adv, resp, **clip)
+        assert not math.isclose(float(plain), want, rel_tol=1e-6)  # they act on this batch
+    with pytest.raises(ValueError, match="algo.clip_ratio_c: must be > 1"):
+        from mugrpo_megatron.config import AlgoConfig
+
+        AlgoConfig(clip_ratio_c=1.0)

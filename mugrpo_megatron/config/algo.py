@@ -46,6 +46,16 @@ class AlgoConfig(Section):
     """eps_low: the ratio is clipped below at 1 - clip_low (1.0 = no lower clip, as in [0, 5])."""
     clip_high: float = 4.0
     """eps_high: the ratio is clipped above at 1 + clip_high (4.0 = the paper's relaxed [0, 5])."""
+    clip_ratio_c: float | None = None
+    """Dual clip (Ye et al. 2019; verl actor.clip_ratio_c, which verl's vanilla loss always
+    applies at 3.0): a token with A < 0 contributes at most clip_ratio_c * |A| to the loss, its
+    gradient zero past that. null: off, as in the paper's formula (a wide [0, 5] clip leaves an
+    A < 0 token's rho * A unbounded above 5). Must be > 1."""
+    log_ratio_clamp: float | None = None
+    """Clamp log pi_theta - log pi_behav to +-this before the ratio of the loss is taken (verl
+    clamps at 20, always); its gradient is zero past it. The metrics and the veto see the ratio
+    as it is. null: off. Needed beside clip_ratio_c where ratios can overflow: exp of a
+    log-ratio above ~88 is infinite in fp32, and the update is skipped."""
     veto_threshold: float | None = 1e-4
     """Negative-advantage veto: a token of an A < 0 response whose ratio falls below this triggers
     it. null disables the veto."""
@@ -156,6 +166,11 @@ class AlgoConfig(Section):
         if not 0 <= self.clip_low <= 1:
             self._fail("clip_low", "must be in [0, 1] (the lower ratio bound 1 - clip_low >= 0)")
         self._non_negative("clip_high")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            self._fail("clip_ratio_c", "must be > 1 (the dual clip bounds an A < 0 token's loss "
+                                       "at clip_ratio_c * |A|, above the clip's own) or null")
+        if self.log_ratio_clamp is not None and not self.log_ratio_clamp > 0:
+            self._fail("log_ratio_clamp", "must be > 0 or null")
         if self.veto_threshold is not None and not 0 < self.veto_threshold < 1:
             self._fail("veto_threshold", "must be in (0, 1) or null")
         if self.veto_scope not in VETO_SCOPES:  # the Literal above, for direct construction too

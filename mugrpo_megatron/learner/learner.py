@@ -150,6 +150,7 @@ class Learner:
         loss of ``cfg.algo``."""
         a = cfg.algo
         loss = partial(policy_loss, clip_low=a.clip_low, clip_high=a.clip_high,
+                       clip_ratio_c=a.clip_ratio_c, log_ratio_clamp=a.log_ratio_clamp,
                        veto_threshold=a.veto_threshold, veto_scope=a.veto_scope,
                        veto_prefix_bound=a.veto_prefix_bound, loss_agg=a.loss_agg,
                        loss_agg_norm=cfg.loss_agg_norm, kl_coef=a.kl_coef,
