@@ -8,6 +8,7 @@ it drives, and this module parses and dispatches.
   memory, ``dryrun``).
 - ``convert``: HF <-> Megatron checkpoints in any TP/PP layout (``learner.convert``).
 - ``eval``: pass@k and mean@k of a checkpoint on named held-out sets (``evaluation``).
+- ``score``: completions of ``data.path``'s rows scored as training scores them (``score``).
 - ``rollouts``: a run's persisted rollouts of one phase, summed up and decoded (``phase.viewer``).
 """
 
@@ -112,6 +113,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    from mugrpo_megatron.score import score_file
+
+    score_file(_load(args), Path(args.completions), out=args.out, overwrite=args.overwrite)
+    return 0
+
+
 def cmd_rollouts(args: argparse.Namespace) -> int:
     from mugrpo_megatron.phase.viewer import show_run
 
@@ -196,6 +204,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="also write the result as JSON here")
     _overwrite_arg(p, "--output")
     p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("score", help="score completions of data.path's rows as training scores "
+                                     "them (routing, metadata, sandbox, timeouts)")
+    _config_args(p)
+    p.add_argument("--completions", required=True, metavar="FILE.jsonl",
+                   help='one {"row": i, "completion": "..."} a line (a mixture: "file": k too)')
+    p.add_argument("--out", default=None, help="write the scores here (default: stdout)")
+    _overwrite_arg(p, "--out")
+    p.set_defaults(fn=cmd_score)
     p = sub.add_parser("rollouts", help="summarise a run's rollouts of one phase and print "
                                         "decoded samples with rewards and advantages")
     p.add_argument("run_dir", help="the run directory (logging.run_dir)")

@@ -18,6 +18,7 @@ opens it.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from mugrpo_megatron.config import Config
@@ -45,6 +46,7 @@ def check_inputs(cfg: Config, overwrite: bool = False) -> list[str]:
     from mugrpo_megatron.rewards import reward_specs
     from mugrpo_megatron.types import LoadReport
 
+    check_rewards(cfg)  # imports, signatures, the sandbox where a function runs programs
     specs, route = reward_specs(cfg.reward)
     names = {"reward.name": specs[0], **{f"reward.by_source.{k}": specs[i]
                                          for k, i in route.items()}}
@@ -105,10 +107,23 @@ def check_inputs(cfg: Config, overwrite: bool = False) -> list[str]:
 
 def check_rewards(cfg: Config) -> None:
     """Every reward function the run may call imports and takes what the scorer gives
-    (``rewards.reward_specs``); ValueError naming the setting otherwise. Every rank."""
+    (``rewards.reward_specs``); ValueError naming the setting otherwise. Every rank. Where a
+    function runs programs (it takes ``sandbox``: the code reward), the sandbox runs one here
+    first (``sandbox.probe``: ``SandboxUnavailable``, a ValueError naming the cause and the
+    choices), or, with ``reward.sandbox: unsafe``, a warning that nothing is isolated."""
     from mugrpo_megatron.rewards import reward_specs
+    from mugrpo_megatron.rewards.sandbox import UNSAFE, SandboxSpec, probe
 
-    reward_specs(cfg.reward)
+    specs, _ = reward_specs(cfg.reward)
+    if not any("sandbox" in s.takes for s in specs):
+        return
+    if cfg.reward.sandbox == UNSAFE:
+        print("warning: reward.sandbox is 'unsafe': the programs the policy writes run with the "
+              "limits of reward.sandbox_* but no isolation at all (they see this machine's files,"
+              " network and processes as the scorer does). Use it only for programs you trust; "
+              "reward.sandbox: bwrap runs them in the OS sandbox.", file=sys.stderr, flush=True)
+        return
+    probe(SandboxSpec.of(cfg.reward))
 
 
 def load_tokenizer(cfg: Config):

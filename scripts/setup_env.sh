@@ -8,6 +8,19 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 source "$ROOT/scripts/venv_lib.sh"
 make_venv "$VENV" setup
+# The code reward runs every program in bubblewrap (docs/code_reward.md says why); it is a
+# Debian/Ubuntu/Fedora package. Installed here when missing and we may; otherwise the sandbox's
+# tests skip and `train` with reward.name: code refuses, naming the package.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing bubblewrap (the code reward's sandbox) with apt-get"
+    (apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }) \
+      || echo "[setup] could not install bubblewrap: the code reward's sandbox tests will skip"
+  else
+    echo "[setup] bubblewrap (bwrap) is not installed: the code reward needs it (apt install bubblewrap)"
+  fi
+fi
 pip_install() { venv_pip "$VENV" "$@"; }
 stamp="$VENV/.mugrpo-installed"
 want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" "$ROOT/scripts/venv_lib.sh" \

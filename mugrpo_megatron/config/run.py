@@ -152,7 +152,8 @@ class RewardConfig(Section):
     function runs under the same timeouts, retries and checks of its return value."""
     timeout_s: float = 10.0
     """Hard wall-clock limit for scoring one response; past it the worker is killed and the
-    response scores 0."""
+    response scores 0 (a reward failure, counted). With the code reward at least
+    sandbox_program_s + 10."""
     num_workers: int = 2
     """Processes scoring responses in parallel (a pool beside each engine replica's leader)."""
     batch_responses: int = 32
@@ -176,15 +177,65 @@ class RewardConfig(Section):
     peers have no key for it: verl's naive reward manager and slime's custom reward functions
     (--custom-rm-path) stop on the exception (raise), verl's prime manager scores 0 (zero)."""
 
+    sandbox: str = "bwrap"
+    """Where programs a reward runs are run (the code reward; any function that takes
+    ``sandbox``). 'bwrap': the OS sandbox, bubblewrap (``rewards/sandbox.py``: no network, a
+    read-only view of /usr and the interpreter, a private /tmp, the limits below, the whole
+    process tree ended after each run); ``train`` tries it once before any process group and
+    refuses, naming the cause, where it cannot start. 'unsafe': the same limits, no isolation,
+    said at every start. verl runs code through SandboxFusion (sandbox_fusion.url) or in
+    process with resource limits; NeMo-RL execs it with restricted builtins."""
+    sandbox_python: str | None = None
+    """The interpreter programs run with; null: this Python's own installation (not its
+    virtualenv: no torch, only the standard library)."""
+    sandbox_cpu_s: float = 5.0
+    """CPU seconds a program's process may use (RLIMIT_CPU) on one test case."""
+    sandbox_wall_s: float = 10.0
+    """Wall-clock seconds of one test case, sleeps included; past it the run is ended."""
+    sandbox_program_s: float = 30.0
+    """Wall-clock seconds of all of a program's test cases: cases not run by then fail.
+    reward.timeout_s must be above it."""
+    sandbox_memory_mb: int = 1024
+    """Address space of each of a program's processes (RLIMIT_AS)."""
+    sandbox_processes: int = 32
+    """Processes (and threads) a program may have at once (RLIMIT_NPROC)."""
+    sandbox_file_mb: int = 16
+    """Largest file a program may write, and the size of its private /tmp."""
+    sandbox_output_kb: int = 1024
+    """Standard output read from a test case; past it the run is ended and the case fails."""
+    code_score: Literal["share", "all"] = "share"
+    """The code reward's score: the share of the row's test cases passed ('share', verl
+    prime_code's continuous score), or 1 only when every case passes ('all')."""
+
     def __post_init__(self) -> None:
         if not self.name:
             self._fail("name", "must be a registered name or a dotted path")
+        if self.sandbox not in ("bwrap", "unsafe"):
+            self._fail("sandbox", "must be 'bwrap' (the OS sandbox) or 'unsafe' (no isolation)")
+        self._positive("sandbox_cpu_s", "sandbox_wall_s", "sandbox_program_s",
+                       "sandbox_memory_mb", "sandbox_processes", "sandbox_file_mb",
+                       "sandbox_output_kb")
+        if self.sandbox_program_s < self.sandbox_wall_s:
+            self._fail("sandbox_program_s", f"must be at least reward.sandbox_wall_s "
+                                            f"({self.sandbox_wall_s:g}): one case's")
         for source, name in self.by_source.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"reward.by_source.{source}: must be a registered name or a "
                                  f"dotted path, got {name!r}")
         self._positive("timeout_s", "num_workers", "batch_responses", "max_answer_chars",
                        "max_abs_reward")
+
+    @property
+    def uses_code(self) -> bool:
+        """Whether any route scores with the code reward."""
+        return "code" in (self.name, *self.by_source.values())
+
+    @property
+    def scoring_timeout_s(self) -> float:
+        """The limit on scoring one response: ``timeout_s``, raised to sandbox_program_s + 10
+        where the code reward runs (a program's slow cases fail; they are no reward failure)."""
+        return max(self.timeout_s, self.sandbox_program_s + 10) if self.uses_code \
+            else self.timeout_s
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ optional, each given only to a function that names it (``RewardSpec``, read from
 once): ``prompt`` the prompt as rendered (the text of its token ids), ``source`` the prompt's
 source, ``metadata`` a dict of its row's ``data.metadata_fields``. Register one with
 ``@register_reward("name")`` or name it in the config by dotted path, ``reward.name:
-mypkg.rewards:exact_match``.
+mypkg.rewards:exact_match``. A function may also take, by name, the settings of ``SETTINGS``
+(``sandbox``: run programs as the code reward does).
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ ROW_PARAMETERS = ("prompt", "source", "metadata")
 
 # name -> "module:function"; stored as a path so workers import the function themselves.
 _REGISTRY: dict[str, str] = {"math": "mugrpo_megatron.rewards.math_answer:math_reward",
-                             "math_dapo": "mugrpo_megatron.rewards.math_answer:dapo_math_reward"}
+                             "math_dapo": "mugrpo_megatron.rewards.math_answer:dapo_math_reward",
+                             "code": "mugrpo_megatron.rewards.code:code_reward"}
+SETTINGS = ("max_answer_chars", "sandbox", "code_score")
+"""What else a function may take by name, from ``reward.*``: the math rewards' answer cap, the
+sandbox programs run in (``rewards.sandbox.SandboxSpec``: a function that takes it runs code,
+and the run checks the sandbox before it starts) and the code reward's scoring."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ def reward_parameters(fn: RewardFn, key: str, name: str) -> frozenset[str]:
     if len(positional) < 2 and not star:
         raise ValueError(f"{key}: {name!r} must take (completion, answer) as its first two "
                          f"parameters; its signature is {inspect.signature(fn)}")
-    takeable = (*ROW_PARAMETERS, "max_answer_chars")  # the builtin math rewards' own cap
+    takeable = (*ROW_PARAMETERS, *SETTINGS)
     named = positional[2:] + [p for p in params if p.kind == p.KEYWORD_ONLY]
     for p in named:
         if p.name not in takeable and p.default is p.empty:

@@ -37,6 +37,7 @@ from pebble import ProcessExpired, ProcessPool
 from mugrpo_megatron.config import RewardConfig
 from mugrpo_megatron.procs import die_with_parent
 from mugrpo_megatron.rewards.registry import RewardFn, RewardSpec, resolve_reward
+from mugrpo_megatron.rewards.sandbox import SandboxSpec
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ class RewardOutcome:
     within reward.max_abs_reward (a string, a bool, NaN, 1e308...)."""
     failed_by_source: dict[str, int] = field(default_factory=dict)
     """Failed responses (errors and timeouts) by their source ('' for a response without a row)."""
+    failed: list[int] = field(default_factory=list)
+    """The index of every failed response."""
     errors: list[str] = field(default_factory=list)
     """The first few failures: each response's source and data row (its index in the batch
     without a row) and the error."""
@@ -119,6 +122,9 @@ class RewardScorer:
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg
         self.specs, self.route = reward_specs(cfg)  # fail now, in the parent, with a clear message
+        self.settings = {"max_answer_chars": cfg.max_answer_chars, "code_score": cfg.code_score,
+                         "sandbox": SandboxSpec.of(cfg)}
+        """What a function may take of ``reward.*`` (``registry.SETTINGS``)."""
         # spawn: the parent may hold threads (torch, the engine) that make fork unsafe.
         self._pool = ProcessPool(max_workers=cfg.num_workers,
                                  context=multiprocessing.get_context("spawn"),
@@ -164,9 +170,8 @@ class RewardScorer:
         return spec, completion, answer, extra
 
     def _schedule(self, items: list[tuple]):
-        return self._pool.schedule(_score_batch, args=(self.specs, items,
-                                                       self.cfg.max_answer_chars),
-                                   timeout=self.cfg.timeout_s)
+        return self._pool.schedule(_score_batch, args=(self.specs, items, self.settings),
+                                   timeout=self.cfg.scoring_timeout_s)
 
     def _checked(self, value: object) -> float:
         """A reward function's return value as a float; ValueError (a counted reward error) unless
@@ -185,9 +190,11 @@ class RewardScorer:
         """Count response ``i``'s failure (``error``; None: it timed out) by its source and keep
         the first few; under ``reward.on_error: raise`` a function's error raises instead."""
         where = row.where() if row is not None else f"response {i}"
+        out.failed.append(i)
         if error is None:
             out.num_timeouts += 1
-            message = f"{where}: scoring took over {self.cfg.timeout_s:g} s (reward.timeout_s)"
+            message = (f"{where}: scoring took over {self.cfg.scoring_timeout_s:g} s "
+                       f"(reward.timeout_s)")
         else:
             out.num_errors += 1
             message = f"{where}: {error[:200]}"
@@ -263,21 +270,21 @@ class PendingScores:
 _FN_CACHE: dict[str, RewardFn] = {}
 
 
-def _score_batch(specs: list[RewardSpec], items: list[tuple], max_answer_chars: int
+def _score_batch(specs: list[RewardSpec], items: list[tuple], settings: dict
                  ) -> list[tuple[str, object]]:
     """Runs in a worker: ("ok", value) or ("error", "Type: message") per response, so one
     response's exception costs only its own reward."""
     out: list[tuple[str, object]] = []
     for spec, completion, answer, extra in items:
         try:
-            out.append(("ok", _call(specs[spec], completion, answer, extra, max_answer_chars)))
+            out.append(("ok", _call(specs[spec], completion, answer, extra, settings)))
         except Exception as e:  # noqa: BLE001 - reported per response
             out.append(("error", f"{type(e).__name__}: {str(e)[:200]}"))
     return out
 
 
 def _call(spec: RewardSpec, completion: str, answer: str, extra: dict,
-          max_answer_chars: int) -> float:
+          settings: dict) -> float:
     """Runs in a worker: import the reward once per process, then call it with what it takes
     (the metadata decoded from its JSON)."""
     fn = _FN_CACHE.get(spec.path)
@@ -286,6 +293,5 @@ def _call(spec: RewardSpec, completion: str, answer: str, extra: dict,
     kwargs = dict(extra)
     if "metadata" in kwargs:
         kwargs["metadata"] = json.loads(kwargs["metadata"]) if kwargs["metadata"] else {}
-    if "max_answer_chars" in spec.takes:
-        kwargs["max_answer_chars"] = max_answer_chars
+    kwargs.update({k: v for k, v in settings.items() if k in spec.takes})
     return fn(completion, answer, **kwargs)

@@ -1,0 +1,274 @@
+"""Running a program a policy wrote, at the operating system's level of isolation.
+
+A code reward executes what the policy wrote: a fork bomb, a memory bomb, an endless loop, a
+connection into the cluster, a read of the run's checkpoints or the user's credentials, a write
+outside its directory, a kill of the scorer. Each run here is one process tree in a sandbox of
+its own (``reward.sandbox``):
+
+- ``bwrap`` (the default): bubblewrap (Debian/Ubuntu ``bubblewrap``, Fedora/RHEL ``bubblewrap``,
+  conda-forge ``bubblewrap``; what Flatpak runs its apps in), chosen over nsjail because every
+  distribution packages it, it needs no daemon, no root and no configuration file, and it is
+  one ~70 KB binary. The program sees a new mount namespace holding, read-only, only ``/usr``
+  and the interpreter's own directory (its parents made 0755 and empty), a fresh ``/proc`` and
+  ``/dev``, and a private ``/tmp`` (tmpfs of ``reward.sandbox_file_mb``) as its working
+  directory: no home, no ``/etc``, no run directory, no checkpoint. New network (loopback only,
+  down), PID, IPC, UTS and cgroup namespaces; an empty environment; no capabilities and no
+  new privileges (bwrap sets ``PR_SET_NO_NEW_PRIVS``). Run as root (a container's usual user),
+  the program drops to a user id of its own (``100000 +`` the scoring worker's pid, through
+  ``setpriv``), so that ``RLIMIT_NPROC`` counts its processes alone (Linux exempts uid 0 from
+  that limit); run as another user, bwrap makes an unprivileged user namespace and the limit
+  is that user's processes now plus ``reward.sandbox_processes``.
+- ``unsafe``: the same limits on a plain child process group, no isolation at all (the program
+  sees what the scorer sees); ``train`` says so at every start.
+
+Limits of every run (``resource.setrlimit`` before bwrap starts, inherited): CPU seconds
+(``reward.sandbox_cpu_s``), address space (``sandbox_memory_mb``), processes, file size
+(``sandbox_file_mb``), open files 256, no core files; the wall clock (``sandbox_wall_s``) and
+the output (``sandbox_output_kb`` of stdout; stderr is dropped) are watched from here. Past any
+of them the whole tree is ended: bwrap is killed, and its ``--die-with-parent`` takes the
+sandbox's init with it, and with that init the kernel ends every process of its PID namespace
+(a detached, re-parented or ``setsid`` child included). The host directory holding the program
+is removed after each run.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+OS_SANDBOX = "bwrap"
+UNSAFE = "unsafe"
+SANDBOX_UID_BASE = 100_000
+"""Run as root, a program runs as ``SANDBOX_UID_BASE +`` its scoring worker's pid: one id a
+concurrent run, so that ``RLIMIT_NPROC`` bounds each run's own processes."""
+
+
+class SandboxUnavailable(ValueError):
+    """The sandbox cannot run a program here; the message names the cause and the choices."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """How a program runs (``reward.sandbox*``): what travels to the scoring workers."""
+
+    mode: str = OS_SANDBOX
+    python: str = ""
+    """The interpreter inside ('' : the scorer's own base interpreter, not its virtualenv)."""
+    cpu_s: float = 5.0
+    wall_s: float = 10.0
+    program_s: float = 30.0
+    """All of one program's runs (the code reward's test cases)."""
+    memory_mb: int = 1024
+    processes: int = 32
+    file_mb: int = 16
+    output_kb: int = 1024
+    bwrap: str = "bwrap"
+
+    @classmethod
+    def of(cls, cfg) -> SandboxSpec:
+        """The sandbox a ``RewardConfig`` describes (``reward.sandbox*``)."""
+        return cls(mode=cfg.sandbox, python=cfg.sandbox_python or "", cpu_s=cfg.sandbox_cpu_s,
+                   wall_s=cfg.sandbox_wall_s, program_s=cfg.sandbox_program_s,
+                   memory_mb=cfg.sandbox_memory_mb, processes=cfg.sandbox_processes,
+                   file_mb=cfg.sandbox_file_mb, output_kb=cfg.sandbox_output_kb)
+
+    @property
+    def interpreter(self) -> str:
+        return self.python or os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One run of a program."""
+
+    status: str
+    """'ok' (exited 0), 'error' (exited otherwise), 'timeout' (past the CPU or wall limit),
+    'output' (past the output limit), 'sandbox' (the sandbox itself failed)."""
+    stdout: str
+    returncode: int | None
+    detail: str = ""
+
+
+def run_python(spec: SandboxSpec, files: dict[str, str], main: str, stdin: str = "",
+               args: tuple[str, ...] = ()) -> RunResult:
+    """Run ``python main args`` with ``files`` ({name: text}) in its working directory's view
+    (read-only, at ``/sandbox``) and ``stdin`` as its input; its stdout back (at most
+    ``spec.output_kb``)."""
+    if spec.mode not in (OS_SANDBOX, UNSAFE):
+        raise SandboxUnavailable(f"reward.sandbox: {spec.mode!r} runs nothing here: use "
+                                 f"{OS_SANDBOX!r} or {UNSAFE!r}")
+    host = Path(tempfile.mkdtemp(prefix="mugrpo-sandbox-"))
+    try:
+        code = host / "code"
+        code.mkdir()
+        for name, text in files.items():
+            (code / name).write_text(text)
+        (host / "stdin").write_text(stdin)
+        if spec.mode == OS_SANDBOX:
+            cmd = _bwrap_command(spec, code, main, args)
+            uid = SANDBOX_UID_BASE + os.getpid() if os.geteuid() == 0 else None
+            nproc = spec.processes if uid is not None else _user_tasks() + spec.processes
+        else:
+            cmd = [spec.interpreter, "-I", str(code / main), *args]
+            nproc = _user_tasks() + spec.processes
+        with open(host / "stdin", "rb") as stdin_file:
+            return _watch(spec, cmd, stdin_file, nproc, cwd=host if spec.mode == UNSAFE else None)
+    finally:
+        shutil.rmtree(host, ignore_errors=True)
+
+
+def probe(spec: SandboxSpec) -> None:
+    """Run ``print(...)`` in the sandbox once: ``SandboxUnavailable`` naming the cause and the
+    choices when it cannot (no bwrap, user namespaces off, an interpreter it cannot see)."""
+    if spec.mode == UNSAFE:
+        return
+    choices = (f"reward.sandbox: {OS_SANDBOX} (the OS sandbox; install bubblewrap: apt install "
+               f"bubblewrap, dnf install bubblewrap or conda install -c conda-forge bubblewrap), "
+               f"{UNSAFE!r} (no isolation at all: only for programs you trust)")
+    if shutil.which(spec.bwrap) is None:
+        raise SandboxUnavailable(f"reward.sandbox: the OS sandbox needs bubblewrap, and "
+                                 f"{spec.bwrap!r} is not on PATH. Choose: {choices}")
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        raise SandboxUnavailable(f"reward.sandbox: run as root, the OS sandbox drops to a user "
+                                 f"of its own with setpriv (util-linux), which is not on PATH. "
+                                 f"Choose: {choices}")
+    got = run_python(spec, {"probe.py": "print(6 * 7)\n"}, "probe.py")
+    if got.status != "ok" or got.stdout.strip() != "42":
+        raise SandboxUnavailable(
+            f"reward.sandbox: the OS sandbox cannot run a program here ({got.status}: "
+            f"{(got.detail or got.stdout).strip()[:300] or 'no output'}). Common causes: user "
+            f"namespaces are off (sysctl kernel.unprivileged_userns_clone=0 or "
+            f"user.max_user_namespaces=0, as on some clusters), or the interpreter "
+            f"{spec.interpreter} is not readable by the sandbox's user. Choose: {choices}, or "
+            f"reward.sandbox_python: an interpreter outside /root")
+
+
+def _bwrap_command(spec: SandboxSpec, code: Path, main: str, args: tuple[str, ...]) -> list[str]:
+    python = Path(spec.interpreter)
+    home = python.parent.parent  # the installation: bin/python3.x under it
+    cmd = [shutil.which(spec.bwrap) or spec.bwrap, "--unshare-ipc", "--unshare-pid",
+           "--unshare-net", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
+           "--new-session",
+           "--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "lib", "lib64", "sbin"):  # merged /usr: symlinks; else read-only binds
+        top = Path("/") / name
+        if top.is_symlink():
+            cmd += ["--symlink", os.readlink(top), str(top)]
+        elif top.is_dir():
+            cmd += ["--ro-bind", str(top), str(top)]
+    if not str(home).startswith("/usr/"):
+        for parent in reversed(home.parents[:-1]):  # made 0755 and empty: /root stays unseen
+            cmd += ["--perms", "0755", "--dir", str(parent)]
+        cmd += ["--ro-bind", str(home), str(home)]
+    cmd += ["--proc", "/proc", "--dev", "/dev",
+            "--perms", "1777", "--size", str(spec.file_mb << 20), "--tmpfs", "/tmp",
+            "--ro-bind", str(code), "/sandbox", "--chdir", "/tmp", "--clearenv",
+            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+            "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+            "--cap-drop", "ALL"]
+    if os.geteuid() == 0:  # drop to a user of its own: RLIMIT_NPROC exempts uid 0
+        uid = str(SANDBOX_UID_BASE + os.getpid())
+        cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "setpriv",
+                "--reuid", uid, "--regid", uid, "--clear-groups", "--inh-caps=-all", "--"]
+    else:
+        cmd[1:1] = ["--unshare-user"]
+    return [*cmd, str(python), "-I", f"/sandbox/{main}", *args]
+
+
+def _limits(spec: SandboxSpec, nproc: int):
+    def apply() -> None:  # in the child, before exec
+        cpu = max(1, int(spec.cpu_s + 0.999))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        memory = spec.memory_mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        size = spec.file_mb << 20
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    return apply
+
+
+def _watch(spec: SandboxSpec, cmd: list[str], stdin, nproc: int, cwd: Path | None) -> RunResult:
+    """Run ``cmd`` under the limits; read its stdout until it ends or passes the wall clock or
+    the output limit; end its whole tree either way."""
+    deadline = time.monotonic() + spec.wall_s
+    cap = spec.output_kb << 10
+    try:
+        proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, preexec_fn=_limits(spec, nproc),
+                                start_new_session=True, cwd=cwd, env=_env(spec))
+    except OSError as e:
+        return RunResult("sandbox", "", None, f"{type(e).__name__}: {e}")
+    out, status = bytearray(), None
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                status = "timeout"
+                break
+            ready, _, _ = select.select([proc.stdout], [], [], min(left, 0.5))
+            if not ready:
+                continue
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            out += chunk
+            if len(out) > cap:
+                status = "output"
+                break
+    finally:
+        _end(proc)
+    code = proc.returncode
+    if status is None:
+        if code in (-signal.SIGXCPU, -signal.SIGKILL) or code == 128 + signal.SIGXCPU:
+            status = "timeout"  # RLIMIT_CPU: SIGXCPU, then SIGKILL at the hard limit
+        else:
+            status = "ok" if code == 0 else "error"
+    detail = "" if status == "ok" else f"exit {code}"
+    if status == "error" and spec.mode == OS_SANDBOX and code in (1, 126, 127) and not out:
+        detail = f"exit {code} with no output (a program that fails, or the sandbox itself)"
+    return RunResult(status, out[:cap].decode("utf-8", "replace"), code, detail)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """The run's whole tree ended: its process group killed (bwrap, whose --die-with-parent
+    takes the sandbox's PID namespace with it; unsafe: the program's group), then reaped."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.stdout.close()
+    proc.wait()
+
+
+def _env(spec: SandboxSpec) -> dict[str, str]:
+    """The environment bwrap (which clears it for the program) or an unsafe run starts with: no
+    secret of the scorer's (keys, tokens) reaches the program."""
+    return {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
+            "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _user_tasks() -> int:
+    """Tasks (threads) this user runs now, which ``RLIMIT_NPROC`` counts for a non-root user:
+    the limit is set this many above it."""
+    uid, n = os.getuid(), 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+                if int(fields["Uid"].split()[0]) == uid:
+                    n += int(fields["Threads"])
+            except (OSError, KeyError, ValueError):
+                continue
+    return n
