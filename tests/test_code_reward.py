@@ -104,6 +104,25 @@ def test_programs_are_scored_by_the_share_of_cases_they_pass():
         assert scorer.score(completions[:2], answers[:2]).rewards == [1.0, 0.0]
 
 
+def test_a_programs_calls_run_in_one_sandbox_each_under_its_own_alarm():
+    """Function-call cases share one sandboxed run: a call that hangs is ended by its alarm and
+    the later ones still run; one that raises fails alone; a program that ends its process
+    fails the calls not yet made, and those made before still count."""
+    from mugrpo_megatron.rewards.code import parse_cases, run_calls
+    from mugrpo_megatron.rewards.sandbox import SandboxSpec
+
+    cases = parse_cases(json.dumps({"fn_name": "f", "inputs": [[1], [2], [3], [4]],
+                                    "outputs": [1, 2, 3, 4]}))
+    spec = SandboxSpec(cpu_s=1.0, wall_s=1.0, program_s=8.0)
+    hang = "def f(x):\n    while x == 2:\n        pass\n    return x"
+    assert run_calls(spec, hang, cases, spec.program_s) == [True, False, True, True]
+    raises = "def f(x):\n    return x if x != 3 else 1 // 0"
+    assert run_calls(spec, raises, cases, spec.program_s) == [True, True, False, True]
+    leaves = "import os\ndef f(x):\n    if x == 2:\n        os._exit(0)\n    return x"
+    assert run_calls(spec, leaves, cases, spec.program_s) == [True, False, False, False]
+    assert run_calls(spec, "syntax error(", cases, spec.program_s) == [False] * 4
+
+
 SECRET = "mugrpo-secret-7f3a"
 
 

@@ -30,10 +30,14 @@ dropped, or else token by token (whitespace-separated) with numeric tokens equal
 equals the expected one (tuples as lists, floats within the same tolerance), or the single
 element of an expected one-element list (APPS stores call outputs so).
 
-Each case runs in a fresh sandbox under ``reward.sandbox_*``'s limits, with only its input
-inside: the expected outputs never enter the sandbox, so a program cannot read them. The
-function-call harness runs the program and the call in one process and writes the value as
-JSON on the stdout it kept (the program's own prints go to stderr, dropped).
+Each standard-input case runs in a fresh sandbox under ``reward.sandbox_*``'s limits with only
+its input inside. A program's function-call cases run in one sandboxed process, as APPS' and
+LiveCodeBench's checkers call them (one interpreter start a program, not one a case: the cost
+of a sandboxed run is mostly the start): the harness runs the program once, then each call
+under an alarm of ``sandbox_wall_s``, and writes each value as a JSON line on the stdout it kept
+(the program's own prints go to stderr, dropped); the run has ``sandbox_program_s`` of wall
+clock and ``sandbox_cpu_s`` CPU seconds a case. The expected outputs never enter the sandbox,
+so a program cannot read them.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import json
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mugrpo_megatron.rewards.sandbox import SandboxSpec, run_python
@@ -50,22 +54,32 @@ from mugrpo_megatron.rewards.sandbox import SandboxSpec, run_python
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$",
                     re.MULTILINE | re.DOTALL)
 _PYTHON_TAGS = {"", "python", "py", "python3"}
-_HARNESS = '''import json, os, sys
+_HARNESS = '''import json, os, signal, sys
 out = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
-args = json.loads(sys.stdin.read())
+name, seconds = sys.argv[1], int(sys.argv[2])
+calls = json.loads(sys.stdin.read())
+def late(*_):
+    raise TimeoutError("case time limit")
+signal.signal(signal.SIGALRM, late)
 scope = {"__name__": "__solution__"}
 exec(compile(open("/sandbox/solution.py").read(), "solution.py", "exec"), scope)
-name = sys.argv[1]
 fn = scope.get(name)
 if fn is None and "Solution" in scope:
     fn = getattr(scope["Solution"](), name)
-value = fn(*args)
-out.write(json.dumps(value, default=repr))
-out.flush()
+for i, args in enumerate(calls):
+    signal.alarm(seconds)
+    try:
+        value = fn(*args)
+        signal.alarm(0)
+        line = json.dumps({"case": i, "value": value}, default=repr)
+    except BaseException as e:
+        signal.alarm(0)
+        line = json.dumps({"case": i, "error": type(e).__name__})
+    out.write(line + "\\n")
+    out.flush()
 '''
-
 
 @dataclass(frozen=True)
 class Cases:
@@ -176,35 +190,56 @@ def _call_args(value: Any) -> list:
 
 
 def run_case(spec: SandboxSpec, program: str, cases: Cases, i: int) -> bool:
-    """Whether ``program`` passes case ``i`` of ``cases`` in the sandbox."""
-    if cases.fn_name is None:
-        got = run_python(spec, {"solution.py": program}, "solution.py",
-                         stdin=_lines(cases.inputs[i]))
-        return got.status == "ok" and stdout_matches(got.stdout, _lines(cases.outputs[i]))
+    """Whether ``program`` passes standard-input case ``i`` of ``cases`` in the sandbox (a
+    fresh run of its own)."""
+    got = run_python(spec, {"solution.py": program}, "solution.py",
+                     stdin=_lines(cases.inputs[i]))
+    return got.status == "ok" and stdout_matches(got.stdout, _lines(cases.outputs[i]))
+
+
+def run_calls(spec: SandboxSpec, program: str, cases: Cases, seconds: float) -> list[bool]:
+    """Whether ``program`` passes each function-call case of ``cases``: one sandboxed run for
+    all of them (as APPS' and LiveCodeBench's checkers call a program's function once per case
+    in one process), each call under its own ``spec.wall_s`` alarm inside, the run under
+    ``seconds`` of wall clock and ``spec.cpu_s`` CPU seconds a case. A case whose call raises,
+    runs out of time, or never starts (the program ended the process) fails; one interpreter
+    start a program instead of one a case."""
     try:
-        args = json.dumps(_call_args(cases.inputs[i]))
+        calls = json.dumps([_call_args(x) for x in cases.inputs])
     except (json.JSONDecodeError, TypeError) as e:
-        raise ValueError(f"the ground truth's input {i} is not JSON arguments ({e})") from None
-    got = run_python(spec, {"solution.py": program, "harness.py": _HARNESS}, "harness.py",
-                     stdin=args, args=(cases.fn_name,))
-    if got.status != "ok":
-        return False
-    try:
-        value = json.loads(got.stdout)
-    except json.JSONDecodeError:
-        return False
-    return value_matches(value, cases.outputs[i])
+        raise ValueError(f"the ground truth's inputs are not JSON arguments ({e})") from None
+    n = len(cases.inputs)
+    whole = replace(spec, wall_s=seconds, cpu_s=min(spec.cpu_s * n, seconds))
+    got = run_python(whole, {"solution.py": program, "harness.py": _HARNESS}, "harness.py",
+                     stdin=calls, args=(cases.fn_name, str(max(1, math.ceil(spec.wall_s)))))
+    passed = [False] * n
+    for line in got.stdout.splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            break  # cut by the output limit
+        i = r.get("case") if isinstance(r, dict) else None
+        if isinstance(i, int) and 0 <= i < n and "value" in r:
+            passed[i] = value_matches(r["value"], cases.outputs[i])
+    return passed
 
 
 def code_reward(completion: str, answer: str, *, sandbox: SandboxSpec,
                 code_score: str = "share") -> float:
     """``reward.name: code``: the share of the row's cases the completion's program passes
-    (``code_score: all``: 1 only when it passes every one; stops at the first failure). Cases
-    start while a whole case still fits in ``sandbox.program_s``; the rest fail."""
+    (``code_score: all``: 1 only when it passes every one). Standard-input cases run one at a
+    time, each in a fresh sandbox, while a whole case still fits in ``sandbox.program_s`` (the
+    rest fail; ``all`` stops at the first failure); function-call cases run in one sandboxed
+    run of at most ``sandbox.program_s`` (``run_calls``)."""
     cases = parse_cases(answer)
     program = extract_program(completion)
     if program is None:
         return 0.0
+    if cases.fn_name is not None:
+        passed = run_calls(sandbox, program, cases, sandbox.program_s)
+        if code_score == "all":
+            return float(all(passed))
+        return sum(passed) / len(passed)
     passed, deadline = 0, time.monotonic() + sandbox.program_s
     for i in range(len(cases.inputs)):
         if time.monotonic() + sandbox.wall_s > deadline:  # the program's time is up: the rest fail
