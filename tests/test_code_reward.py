@@ -121,6 +121,8 @@ def test_a_programs_calls_run_in_one_sandbox_each_under_its_own_alarm():
     leaves = "import os\ndef f(x):\n    if x == 2:\n        os._exit(0)\n    return x"
     assert run_calls(spec, leaves, cases, spec.program_s) == [True, False, False, False]
     assert run_calls(spec, "syntax error(", cases, spec.program_s) == [False] * 4
+    unsafe = SandboxSpec(mode="unsafe", cpu_s=1.0, wall_s=1.0, program_s=8.0)
+    assert run_calls(unsafe, raises, cases, spec.program_s) == [True, True, False, True]
 
 
 SECRET = "mugrpo-secret-7f3a"

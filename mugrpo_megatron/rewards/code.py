@@ -64,7 +64,8 @@ def late(*_):
     raise TimeoutError("case time limit")
 signal.signal(signal.SIGALRM, late)
 scope = {"__name__": "__solution__"}
-exec(compile(open("/sandbox/solution.py").read(), "solution.py", "exec"), scope)
+exec(compile(open(os.path.join(os.path.dirname(__file__), "solution.py")).read(),
+             "solution.py", "exec"), scope)
 fn = scope.get(name)
 if fn is None and "Solution" in scope:
     fn = getattr(scope["Solution"](), name)
