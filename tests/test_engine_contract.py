@@ -153,6 +153,9 @@ def test_spmd_replicas_take_every_layer(workdir, ranks, layout):
     # learner TP 2 = engine TP 2 on the same ranks: each rank streams only its own shards of
     # the projections (iter_hf_tensors(engine_sharded=True)), and the contract still holds
     assert r["engine_sharded"] == (layout == "tp2pp2"), r
+    # the replica's own group times out with the run (parallel.timeout_minutes, 180 by
+    # default), not after torch's default 30 minutes
+    assert r["replica_group_timeout_s"] == 180 * 60, r["replica_group_timeout_s"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")

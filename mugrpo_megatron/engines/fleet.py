@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -157,10 +158,14 @@ class EngineFleet:
         fleet.has_weights = load_weights
         if where.kind == "spmd" and where.tensor_parallel > 1:
             # one small gloo group a replica, for what its leader tells its other ranks
-            # (``replica_agree``); every rank makes every group, in order, as torch requires
+            # (``replica_agree``); every rank makes every group, in order, as torch requires.
+            # Its timeout is the run's (parallel.timeout_minutes), not torch's default of 30
+            # minutes: a replica waiting on its leader through a long generation must not give
+            # up before the world's collectives do.
+            timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
             for r in range(where.replicas):
                 ranks = list(range(r * where.tensor_parallel, (r + 1) * where.tensor_parallel))
-                group = dist.new_group(ranks, backend="gloo")
+                group = dist.new_group(ranks, backend="gloo", timeout=timeout)
                 if r == fleet.replica:
                     fleet._replica_group, fleet._replica_leader = group, ranks[0]
         return fleet

@@ -96,6 +96,9 @@ def run_contract(hf_dir: str, out: Path, overrides: list[str], bucket_bytes: int
     # the trainer's choice: each rank streams only its shards where its engine rank keeps them
     sharded = engine_sharded(cfg.rollout, learner)
     result["engine_sharded"] = sharded
+    group = engines._replica_group  # a replica's own gloo group (spmd at TP > 1)
+    result["replica_group_timeout_s"] = None if group is None else \
+        group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
     def sync(how=None):
         stream = iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=bucket,
