@@ -221,10 +221,11 @@ class Trainer:
         if not self.keeps_reference:
             return
         if not on_rank0(data.has_reference_logprobs):
-            t0 = time.perf_counter()
+            t0, swaps = time.perf_counter(), self.learner.reference.swaps
             rec.set_gap("reference_gap", score_reference(
                 self.learner, data, self.cfg.algo.samples_per_update, write=self.rank0))
             rec.reference_seconds = time.perf_counter() - t0
+            rec.reference_swaps = self.learner.reference.swaps - swaps
             self.handoff.mark_memory("reference", rec.phase)
         data.use_reference_logprobs()
 

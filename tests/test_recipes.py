@@ -69,6 +69,8 @@ def test_kl_to_the_start_entropy_bonus_dr_grpo_and_overlong_handling(setup):
     phases = [r for r in records(run) if r["kind"] == "phase"]
     for p in phases:
         assert p["reference_seconds"] > 0 and p["overlong_filtered"] > 0, p
+        # the phase's 32 responses are scored 16 at a time under one swap of the weights
+        assert p["reference_swaps"] == 1, p
         assert p["overlong_penalty_mean"] < 0, p
         assert (phase_dir(run, p["phase"]) / REFERENCE_FILE).exists()
         data = PhaseData(phase_dir(run, p["phase"]), drop_uniform=False, overlong_filter=True)

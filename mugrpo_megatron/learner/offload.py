@@ -268,6 +268,8 @@ class ReferenceWeights:
         self._stash: HostPool | None = None
         self._stash_pieces: list = []
         self._cuda = cuda
+        self.swaps = 0
+        """Times the reference was swapped in (each a copy of the weights both ways)."""
 
     @property
     def nbytes(self) -> int:
@@ -294,6 +296,7 @@ class ReferenceWeights:
     @contextlib.contextmanager
     def swapped_in(self):
         """Context: the reference's weights in the model inside, the learner's own after."""
+        self.swaps += 1
         offloaded = self._host.state == "host"
         if offloaded:
             for storage, nbytes in self._storages:

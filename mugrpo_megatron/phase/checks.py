@@ -101,10 +101,12 @@ def score_behaviour(learner, data: PhaseData, chunk: int, write: bool) -> Logpro
 
 def score_reference(learner, data: PhaseData, chunk: int, write: bool) -> LogprobGap:
     """The reference policy's log-prob of every response token of the phase (``REFERENCE_FILE``),
-    its weights swapped into the learner's for the pass (``Learner.reference_logprobs``):
-    ``score_phase``. The gap returned is the reference's to the engine's behaviour log-probs."""
-    return score_phase(learner.reference_logprobs, learner.layout.dp_size, data, chunk, write,
-                       REFERENCE_FILE, "the reference policy's log-probs")
+    its weights swapped into the learner's once for the whole pass
+    (``Learner.reference_weights``): ``score_phase``. The gap returned is the reference's to the
+    engine's behaviour log-probs."""
+    with learner.reference_weights():
+        return score_phase(lambda batch: learner.logprobs(batch)[0], learner.layout.dp_size,
+                           data, chunk, write, REFERENCE_FILE, "the reference policy's log-probs")
 
 
 def score_phase(score, dp: int, data: PhaseData, chunk: int, write: bool, name: str,

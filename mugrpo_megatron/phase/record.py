@@ -63,6 +63,8 @@ class PhaseRecord:
     behaviour_gap_max: float | None = None
     reference_seconds: float | None = None
     """The reference policy's pass over the phase's tokens (``algo.kl_target: reference``)."""
+    reference_swaps: int | None = None
+    """Times its weights were swapped into the learner's for that pass (one a phase)."""
     reference_gap_mean: float | None = None
     """|reference log-prob - behaviour log-prob| over the phase's tokens: how far the phase's
     behaviour policy is from the one the run started from."""
