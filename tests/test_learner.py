@@ -298,6 +298,10 @@ def test_offload_to_host_and_back_is_bit_exact(workdir, layout):
     ref = run(workdir, "llama", layout)
     got = run(workdir, "llama", layout + "_offload")
     o = got["offload"]
+    # a swap of the reference with the learner on the device holds the learner's weights on
+    # the host during the pass only
+    assert o["reference_held_during"] == 2 * o["reference_bytes"], o
+    assert o["reference_held_after"] == o["reference_bytes"] > 0, o
     assert o["resident_before"] > 0 and o["resident_offloaded"] == 0
     assert o["freed"] == o["resident_before"] == o["restored"] == o["resident_after"]
     # weights + Adam's two moments (+ master copies) are copied; gradient buffers only freed

@@ -251,8 +251,8 @@ class ReferenceWeights:
     - the learner offloaded ('host': as it is after a phase's generation), its storages are
       grown back, filled with the reference and freed again: the learner's own weights wait in
       the offload's host copy, and the device holds one copy of the weights, as at a sync;
-    - the learner on the device, its weights are first copied into a second host pool (made at
-      the first such swap and kept; a resumed phase's pass takes this path), then back.
+    - the learner on the device, its weights are first copied into a second host pool (a
+      resumed phase's pass takes this path), then back, and that pool is let go.
 
     No optimizer state is touched: the pass is a forward pass only, between updates."""
 
@@ -275,6 +275,12 @@ class ReferenceWeights:
     def nbytes(self) -> int:
         """Host bytes the reference holds (its pool's chunks)."""
         return self.pool.nbytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Host bytes held now: the reference's, and during a swap with the learner on the
+        device, the learner's own weights waiting in a second pool."""
+        return self.pool.nbytes + (self._stash.nbytes if self._stash is not None else 0)
 
     def _placed(self, pool: HostPool, pin: bool) -> list[list[tuple[int, int, int, int]]]:
         return _with_starts(pool.place([n for _, n in self._storages], pin=pin))
@@ -317,3 +323,6 @@ class ReferenceWeights:
                     torch.cuda.empty_cache()
             else:
                 self._fill(self._stash, self._stash_pieces, to_host=False)
+                # let the stash go: pinned, it would hold the learner's weight bytes a rank
+                # (4.4 GB at the 70B config, 35 GB a node) for the rest of the run
+                self._stash, self._stash_pieces = None, []

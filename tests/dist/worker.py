@@ -174,6 +174,15 @@ def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
                    "host_bytes": learner.host_bytes, "requested": learner._host.pool.requested}
         in_stats = learner.onload()
         offload.update(resident_after=learner.resident_bytes(), restored=in_stats.bytes_freed)
+        # a reference swapped in while the learner is on the device (a resumed phase's pass):
+        # the learner's own weights wait in host memory for the pass, and that memory is let go
+        learner.keep_reference()
+        with learner.reference_weights():
+            learner.logprobs(TokenBatch(batch.tokens, batch.response_mask))
+            offload["reference_held_during"] = learner.reference.held_bytes
+        offload.update(reference_held_after=learner.reference.held_bytes,
+                       reference_bytes=learner.reference.nbytes)
+        learner.reference = None
     # the last update as the trainer gives it: only this data-parallel rank's rows, padded to
     # their own longest plus a few columns a rank (so DP ranks differ in length, as shards do)
     steps.append(counted(reads, "train_step_dp_local", learner.train_step,
