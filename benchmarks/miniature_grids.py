@@ -198,6 +198,17 @@ GRIDS = {g.name: g for g in [
 ]}
 PHASE_SWEEP_SEEDS = 2
 
+CODE_CALIBRATION = {"lr": 1e-5, "mu": 32, "phases": 4, "samples_per_update": 32}
+"""The code task's regime (``paper_miniature.py --task code``): the math regime's
+(``CALIBRATION``) until the code task's own GRPO-only calibration runs choose one by the same
+criteria, before any other row runs on it."""
+CODE_GRIDS = {g.name: g for g in [
+    Grid("code", "the veto beyond math (the paper's open question 3): the paper's three rows and "
+                 "the relaxed clip without veto on the code task, 3 seeds a row",
+         ((GRPO4, 3), (GRPOM, 3), (NOVETO, 3), (MUGRPO, 3)), eval_every=32, **CODE_CALIBRATION),
+]}
+"""The grids of ``--task code``."""
+
 
 @dataclass(frozen=True)
 class Job:

@@ -197,7 +197,12 @@ def update_results_md(path: Path, section: str, tag: str = "") -> None:
 def markdown_section(args, sft: dict, table: str, grid_seconds: float, cmd: str,
                      root: Path) -> str:
     g = args.grid
-    by_k = ", ".join(f"{k} operands {v:.2f}" for k, v in sft["probe_by_operands"].items())
+    by_k = ", ".join(f"{k} operands {v:.2f}" for k, v in sft.get("probe_by_operands", {}).items())
+    code = getattr(args, "task", "math") == "code"
+    task = ("`benchmarks/code_task.py` (programs run in the sandbox by `reward.name: code`)"
+            if code else "`benchmarks/miniature_task.py`")
+    probe = (f"probe score {sft['probe_pass_rate']:.2f} (mean share of hidden cases passed)"
+             if code else f"probe pass rate {sft['probe_pass_rate']:.2f}: {by_k}")
     plot_rel = os.path.relpath(args.plot, root / "benchmarks")
     out_rel = os.path.relpath(args.out, root)
     return f"""## Mu-GRPO in miniature, grid `{args.grid_name}`: {g.what} (`benchmarks/paper_miniature.py`)
@@ -208,8 +213,7 @@ Regime: lr {g.lr:g}, M = {g.mu}, {g.phases} phases of the large-mu rows, {g.upda
 {g.samples_per_update} responses (G = {args.group_size}) in every row, phases sized for one pass
 over their data, veto threshold {args.veto_threshold:g}. Policy: the committed SFT policy
 (`{os.path.relpath(args.policy, root)}`, fingerprint {sft['fingerprint']}: the tiny Llama of
-`benchmarks/miniature_task.py`, {sft['steps']} SFT steps, probe pass rate
-{sft['probe_pass_rate']:.2f}: {by_k}). Each run through `python -m mugrpo_megatron train`
+{task}, {sft['steps']} SFT steps, {probe}). Each run through `python -m mugrpo_megatron train`
 (megatron-core learner, vLLM engine, fp32, one process). Held-out: mean@{args.eval_samples} at
 temperature 1 on {args.eval_size} unseen problems, every {g.eval_every} updates (an extra weight
 sync, not counted in the times). Seeds differ in prompt order, minibatches and sampling; the

@@ -18,6 +18,13 @@
         --lr 3e-5 --mu 64 --phases 4                  # an ad-hoc grid (a calibration run)
     python benchmarks/paper_miniature.py --make-policy DIR --eval-size 256
 
+``--task code`` runs the same on the code task (``code_task``: a Python function written from
+three of its values, scored on hidden cases by ``reward.name: code`` with every program in the
+OS sandbox) from ``benchmarks/code_policy`` (remade by ``--task code --make-policy
+benchmarks/code_policy``), its grids ``miniature_grids.CODE_GRIDS``:
+
+    python benchmarks/paper_miniature.py --task code --grid code --results-md benchmarks/RESULTS.md
+
 ``--quick`` runs only Mu-GRPO, with two seeds and one phase, from the committed quick policy
 (1,000 SFT steps, 3 minutes on two threads and over 10 on one beside another test, which the
 suite would otherwise spend at every run; 1.5 MB), and exits non-zero unless the initial held-out
@@ -43,10 +50,11 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import code_task  # noqa: E402
 import miniature_report as report  # noqa: E402
 import miniature_task  # noqa: E402
 from common import write_json  # noqa: E402
-from miniature_grids import GRIDS, MUGRPO, Grid, Job, jobs_for, row  # noqa: E402
+from miniature_grids import CODE_GRIDS, GRIDS, MUGRPO, Grid, Job, jobs_for, row  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = Path(__file__).with_suffix(".yaml")
@@ -57,6 +65,12 @@ problems; the grids: 256). SFT on a CPU does not reproduce across machines to th
 the probe first crosses its target (float sums differ, the probe samples), so a grid that made
 its own policy anew each time would start from a different model; these are fingerprinted and
 committed instead, and ``--make-policy`` makes a new one on purpose."""
+CODE_POLICY = ROOT / "benchmarks" / "code_policy"
+"""The code task's committed SFT policy (``--task code``; ``code_task``)."""
+CODE_SETS = {"reward.name": "code", "reward.batch_responses": 1,
+             "rollout.max_new_tokens": code_task.MAX_NEW_TOKENS, "data.max_prompt_tokens": 40}
+"""``--task code``'s settings over the base config: the code reward (each response its own
+scoring task, so a slow program holds up no other), room for the longest worked program."""
 PASS_RANGE = (0.2, 0.6)
 NUM_TRAIN, NUM_PROBE = 8000, 128
 QUICK = Grid("quick", "the signal is there: Mu-GRPO, one phase", ((MUGRPO, 2),), lr=1e-4, mu=32,
@@ -79,6 +93,7 @@ def run_job(job: Job, model: Path, data: Path, run_dir: Path, args) -> dict:
         "algo.seed": seed, "rollout.seed": seed,
         "optim.lr": grid.lr, "logging.eval_every_updates": grid.eval_every,
         "logging.run_dir": run_dir,
+        **(CODE_SETS if args.task == "code" else {}),
     }
     if r.max_drift is not None:
         sets["algo.max_drift"] = r.max_drift
@@ -101,7 +116,10 @@ def run_job(job: Job, model: Path, data: Path, run_dir: Path, args) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--grid", default="today", choices=[*GRIDS, "custom"],
+    ap.add_argument("--task", default="math", choices=["math", "code"],
+                    help="the arithmetic miniature (miniature_task) or the code one (code_task: "
+                         "programs run in the sandbox by reward.name: code)")
+    ap.add_argument("--grid", choices=[*GRIDS, *CODE_GRIDS, "custom"],
                     help="the sub-grid to run (miniature_grids.py); 'custom': --rows at --seeds "
                          "with the regime flags")
     ap.add_argument("--quick", action="store_true",
@@ -121,7 +139,9 @@ def parse_args(argv=None):
     ap.add_argument("--veto-threshold", type=float, default=1e-4)
     ap.add_argument("--jobs", type=int, default=1,
                     help="training runs side by side (times are comparable only with 1)")
-    ap.add_argument("--eval-size", type=int, default=256)
+    ap.add_argument("--eval-size", type=int,
+                    help="held-out problems (default: 256; --task code: 128, each program run "
+                         "on 4 cases in the sandbox)")
     ap.add_argument("--eval-samples", type=int, default=4)
     ap.add_argument("--sft-target", type=float, default=0.3,
                     help="sampled probe pass rate at which SFT stops")
@@ -139,6 +159,10 @@ def parse_args(argv=None):
     ap.add_argument("--results-md", help="replace this grid's section of this Markdown file "
                                          "(benchmarks/RESULTS.md) with its table and plot")
     args = ap.parse_args(argv)
+    if args.grid is None:
+        args.grid = "code" if args.task == "code" else "today"
+    if args.eval_size is None:
+        args.eval_size = 128 if args.task == "code" else 256
     if args.quick:
         grid, args.grid_name = QUICK, "quick"
         args.eval_size, args.jobs = min(args.eval_size, 128), 2
@@ -150,11 +174,14 @@ def parse_args(argv=None):
             ap.error(f"--rows: {e}")
         grid, args.grid_name = Grid("custom", f"rows {args.rows}", rows), "custom"
     else:
-        grid, args.grid_name = GRIDS[args.grid], args.grid
+        grids = CODE_GRIDS if args.task == "code" else GRIDS
+        if args.grid not in grids:
+            ap.error(f"--grid {args.grid} is not a grid of --task {args.task}: {', '.join(grids)}")
+        grid, args.grid_name = grids[args.grid], args.grid
     given = {k: getattr(args, k) for k in ("lr", "mu", "phases", "samples_per_update",
                                            "eval_every") if getattr(args, k) is not None}
     args.grid = replace(grid, **given)
-    args.policy = args.policy or str(GRID_POLICY)
+    args.policy = args.policy or str(CODE_POLICY if args.task == "code" else GRID_POLICY)
     args.tag = args.tag if args.tag is not None else f"_{args.grid_name.replace('-', '_')}"
     results = ROOT / "benchmarks" / "results"
     args.out = args.out or str(results / f"paper_miniature{args.tag}.json")
@@ -176,8 +203,8 @@ def main(argv=None) -> int:
         work = Path(args.work_dir or tmp)
         data = work / "data"
         data.mkdir(parents=True, exist_ok=True)
-        splits = miniature_task.write_splits(data, seed=0, num_train=NUM_TRAIN,
-                                             num_eval=args.eval_size, num_probe=NUM_PROBE)
+        splits = task_module(args).write_splits(data, seed=0, num_train=NUM_TRAIN,
+                                                num_eval=args.eval_size, num_probe=NUM_PROBE)
         import torch
 
         # --quick runs in the test suite beside another test file: one thread, so that a busy
@@ -225,6 +252,10 @@ def main(argv=None) -> int:
     return 0
 
 
+def task_module(args):
+    return code_task if args.task == "code" else miniature_task
+
+
 def policy_fingerprint(args) -> str:
     """A digest of what the SFT policy depends on: the task's and the SFT's code, the split sizes
     (the train split is drawn after the held-out and probe ones, so it moves with --eval-size),
@@ -232,6 +263,12 @@ def policy_fingerprint(args) -> str:
     mt = miniature_task
     code = [inspect.getsource(f) for f in (mt.make_problem, mt.write_splits, mt.make_tokenizer,
                                            mt.sft_policy, mt.sft_loss, mt.probe_pass_rate)]
+    if args.task == "code":
+        ct = code_task
+        code = [inspect.getsource(f) for f in (ct.program, ct.make_problem, ct.write_splits,
+                                               ct.sft_policy, ct.probe_score, mt.make_tokenizer,
+                                               mt.sft_loss)]
+        code.append(repr((ct.SHOWN, ct.HIDDEN, ct.MAX_NEW_TOKENS)))
     setting = json.dumps({"prompt": mt.PROMPT_TEMPLATE, "specials": mt.SPECIAL_TOKENS, "seed": 0,
                           "train": NUM_TRAIN, "eval": args.eval_size, "probe": NUM_PROBE,
                           "target": args.sft_target})
@@ -250,7 +287,8 @@ def starting_policy(args) -> tuple[Path, dict]:
         raise SystemExit(
             f"--policy {path}: made for other data or SFT code (fingerprint "
             f"{info.get('fingerprint', f'none: no {made}')}, this script's {want}); make it again "
-            f"with: python benchmarks/paper_miniature.py --make-policy {path} --eval-size "
+            f"with: python benchmarks/paper_miniature.py --task {args.task} --make-policy {path} "
+            f"--eval-size "
             f"{args.eval_size} --sft-target {args.sft_target}")
     print(f"starting from the SFT policy in {path}", flush=True)
     return path, info
@@ -265,9 +303,9 @@ def make_policy(path: Path, args, splits, **sft_options) -> dict:
 
     if path.exists() and any(path.iterdir()) and not (path / "sft.json").exists():
         raise SystemExit(f"{path} holds files this script did not make; choose a new directory")
-    sft = miniature_task.sft_policy(path, splits["train"], splits["probe"],
-                                    target=args.sft_target, log=lambda m: print(m, flush=True),
-                                    **sft_options)
+    sft = task_module(args).sft_policy(path, splits["train"], splits["probe"],
+                                       target=args.sft_target,
+                                       log=lambda m: print(m, flush=True), **sft_options)
     info = {"fingerprint": policy_fingerprint(args), "steps": sft.steps, "seconds": sft.seconds,
             "probe_pass_rate": sft.probe_pass_rate, "probe_by_operands": sft.probe_by_operands,
             "made_with": {"torch": torch.__version__, "transformers": transformers.__version__,

