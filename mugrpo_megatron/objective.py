@@ -196,6 +196,7 @@ def policy_loss(
     clip_high: float,
     clip_ratio_c: float | None = None,
     log_ratio_clamp: float | None = None,
+    ess_grid: tuple[float, ...] | None = None,
     veto_threshold: float | None = None,
     veto_scope: str = "suffix",
     veto_prefix_bound: float | None = None,
@@ -235,6 +236,11 @@ def policy_loss(
     surrogate's ratio from the log-ratio clamped to +-it. With both at verl's 3 and 20 the loss
     is verl's ``compute_policy_loss_vanilla`` (``tests/test_loss_terms.py``). The veto and the
     metrics read the log-ratio as it is.
+
+    ``ess_grid`` (``algo.clip_high: auto``): for each eps of it, the mean over the kept
+    positive-advantage tokens of w = min(rho, 1 + eps) and of w^2 (``ess_capped_mean_i``,
+    ``ess_capped_sq_mean_i`` over ``num_ess_tokens``), from which ``ess_fractions`` gives the
+    update's effective sample size under each candidate clip.
 
     Metrics (0-dim detached float tensors): the means listed below over this call's tokens, and the
     ``num_*`` counts they were taken over, so that callers can combine microbatches exactly; and
@@ -343,6 +349,14 @@ def policy_loss(
         if entropy_loss is not None:
             metrics["entropy_loss"] = entropy_loss.detach()
             metrics["num_entropy_bonus_tokens"] = num_kept.to(torch.float32)
+        if ess_grid is not None:
+            pos_bt = keep_bt & (adv_b1 > 0)
+            num_pos = pos_bt.sum()
+            metrics["num_ess_tokens"] = num_pos.to(torch.float32)
+            for i, eps in enumerate(ess_grid):
+                w_bt = torch.clamp(rho_bt.detach(), max=1.0 + eps) * pos_bt
+                metrics[f"ess_capped_mean_{i}"] = _safe_div(w_bt.sum(), num_pos)
+                metrics[f"ess_capped_sq_mean_{i}"] = _safe_div((w_bt * w_bt).sum(), num_pos)
     return loss, {k: v.detach().to(torch.float32) for k, v in metrics.items()}
 
 
@@ -368,13 +382,14 @@ METRIC_WEIGHTS: dict[str, str] = {
     "abs_log_ratio_mean": "num_tokens",
     "entropy_mean": "num_entropy_tokens",
     "kl_mean": "num_kl_tokens",
+    **{f"ess_capped_{m}_{i}": "num_ess_tokens" for i in range(8) for m in ("mean", "sq_mean")},
 }
 
 
 METRIC_COUNTS: tuple[str, ...] = ("num_tokens", "num_kept_tokens", "num_neg_tokens",
                                    "num_neg_kept_tokens", "num_neg_responses",
                                    "num_entropy_tokens", "num_kl_tokens",
-                                   "num_entropy_bonus_tokens")
+                                   "num_entropy_bonus_tokens", "num_ess_tokens")
 """The token and response counts of ``policy_loss``'s metrics, which the means are weighted by."""
 LOSS_PARTS: tuple[str, ...] = ("pg_loss", "kl_loss", "entropy_loss", "loss")
 """The loss and its parts: each microbatch's is already divided by the minibatch's denominator,
@@ -436,3 +451,15 @@ def combine_metrics(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         return {}
     return metrics_from_sums(metric_sums(parts),
                              max(float(p["abs_log_ratio_max"]) for p in parts))
+
+
+def ess_fractions(metrics: dict[str, float], grid: tuple[float, ...]) -> list[float | None]:
+    """The effective sample size, as a share of the tokens, of the kept positive-advantage
+    tokens' ratios capped at 1 + eps for each eps of ``grid``: (E w)^2 / E w^2 from an update's
+    combined ``ess_capped_*`` metrics (``policy_loss(ess_grid=grid)``). None each where the
+    update had no such token."""
+    out: list[float | None] = []
+    for i in range(len(grid)):
+        m1, m2 = metrics.get(f"ess_capped_mean_{i}"), metrics.get(f"ess_capped_sq_mean_{i}")
+        out.append(None if m1 is None or not m2 else m1 * m1 / m2)
+    return out

@@ -15,6 +15,7 @@ PLOTTED = [
     (("grad_norm",), "gradient norm (before clipping)"),
     (("clip_frac_low", "clip_frac_high", "clip_frac_dual"),
      "clipped token fraction: low, high, dual (algo.clip_ratio_c)"),
+    (("clip_high",), "upper clip eps_high (algo.clip_high: auto)"),
     (("veto_frac", "veto_response_frac"), "vetoed: token fraction, A < 0 response fraction"),
     (("rho_neg_mean",), "E[rho | A < 0]"),
     (("log_rho_neg_mean",), "mean log rho over A < 0 tokens"),
@@ -137,10 +138,12 @@ def _plot(out_dir: Path, updates: list[dict], phases: list[dict]) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(len(PLOTTED) + 1, 1, figsize=(8, 2.2 * (len(PLOTTED) + 1)),
+    shown = [(keys, title) for keys, title in PLOTTED  # a curve the run has: no empty panels
+             if any(key in r for r in updates for key in keys)]
+    fig, axes = plt.subplots(len(shown) + 1, 1, figsize=(8, 2.2 * (len(shown) + 1)),
                              sharex=True)
     xs = [r["update"] for r in updates]
-    for ax, (keys, title) in zip(axes, PLOTTED):
+    for ax, (keys, title) in zip(axes, shown):
         for key in keys:
             ax.plot(xs, [r.get(key, math.nan) for r in updates], lw=1, label=key)
         if len(keys) > 1:

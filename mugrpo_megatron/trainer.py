@@ -37,6 +37,7 @@ from mugrpo_megatron.metrics import MetricsLogger
 from mugrpo_megatron.outputs import DiskFull, RunFailed
 from mugrpo_megatron.phase import (
     Advantages,
+    AutoClip,
     DriftBound,
     GenerationFailed,
     Phase,
@@ -287,6 +288,8 @@ class Trainer:
         if self.learner.offloaded:  # after a sync alone (a resumed phase, no held-out set)
             rec.switch_seconds += self.learner.onload().seconds
         drift = DriftBound(self.cfg.algo, self.state.drift_window)  # a resume's, or empty
+        clip = AutoClip(self.cfg.algo, self.state.clip_high) if self.cfg.algo.clip_high_auto \
+            else None
         first = max(self.start_update, phase.first_update)
         updates = data.updates(self.schedule, phase, first,
                                once=self.cfg.algo.uniform_groups == "drop_once")
@@ -306,7 +309,11 @@ class Trainer:
                 self._log_update(mb.update, {"skipped": True, "reason": "too few samples"})
                 bar.update(1)
                 continue
-            step = self.learner.train_step(upd.batch, dp_local=True)
+            step = self.learner.train_step(upd.batch, dp_local=True,
+                                           clip_high=clip.clip if clip else None)
+            if clip and not step.skipped:
+                clip.observe(step.metrics)
+                self.state.clip_high = clip.clip
             rec.skipped_updates += step.skipped
             self._log_step(phase, mb, upd.rows, data, step)
             bar.update(1, loss=step.loss, veto=step.metrics.get("veto_frac", 0.0))
@@ -329,7 +336,7 @@ class Trainer:
         rec.unused_generate_seconds = rec.generate_seconds * data.unused_frac
         self.state.ended.append(PhaseEnd(phase.index, phase.first_update, done, rec.end,
                                          data.positions_used))
-        self.state.drift_window = []
+        self.state.drift_window, self.state.clip_high = [], None
         end = phase.first_update + done
         if (self.cfg.checkpoint.save_at_phase_end or end >= self.cfg.algo.total_updates
                 or self.cfg.checkpoint.on_interval(end)):

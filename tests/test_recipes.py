@@ -56,8 +56,20 @@ def test_kl_to_the_start_entropy_bonus_dr_grpo_and_overlong_handling(setup):
         **base, "logging.run_dir": run, "algo.kl_coef": 0.05, "algo.kl_target": "reference",
         "algo.kl_estimator": "k3", "algo.entropy_coef": 0.01,
         "algo.loss_agg": "seq-mean-token-sum-norm", "algo.norm_adv_by_std": "false",
-        "algo.overlong_filter": "true", "algo.overlong_buffer_tokens": 4}), d / "knobs.log")
+        "algo.overlong_filter": "true", "algo.overlong_buffer_tokens": 4,
+        "algo.clip_high": "auto", "algo.clip_high_auto_ess": 0.999}), d / "knobs.log")
     ups = updates(run)
+    # clip_high: auto: a phase's first update at the widest clip, each next one at the widest
+    # whose ESS the update before measured at >= 0.999 (the narrowest if none)
+    grid = (0.2, 0.5, 1.0, 2.0, 3.0, 4.0)
+    for prev, u in zip([None, *ups], ups):
+        if u["update"] % 3 == 0:
+            assert u["clip_high"] == 4.0, u
+        else:
+            ess = [prev.get(f"ess_clip_{eps:g}") for eps in grid]
+            ok = [eps for eps, e in zip(grid, ess) if e is not None and e >= 0.999]
+            assert u["clip_high"] == (max(ok) if ok else 0.2), (prev, u)
+    assert len({u["clip_high"] for u in ups}) > 1  # it moved
     assert len(ups) >= 4, [r for r in records(run) if r["kind"] == "update"]
     for u in ups:  # KL, its share, the entropy bonus and the policy term, every update
         assert {"kl_loss", "kl_mean", "kl_share", "entropy_loss", "pg_loss"} <= set(u), u

@@ -44,8 +44,21 @@ class AlgoConfig(Section):
     """Responses in one optimizer update (the minibatch), over all data-parallel ranks."""
     clip_low: float = 1.0
     """eps_low: the ratio is clipped below at 1 - clip_low (1.0 = no lower clip, as in [0, 5])."""
-    clip_high: float = 4.0
-    """eps_high: the ratio is clipped above at 1 + clip_high (4.0 = the paper's relaxed [0, 5])."""
+    clip_high: float | str = 4.0
+    """eps_high: the ratio is clipped above at 1 + clip_high (4.0 = the paper's relaxed [0, 5]).
+    'auto': set before every update from the one before (``phase.AutoClip``, the paper's open
+    question 2): the largest of clip_high_auto_grid under which the previous update's ratios of
+    the positive-advantage tokens, capped there, keep an effective sample size of at least
+    clip_high_auto_ess of their number; the largest at a phase's first update (every ratio is 1
+    there). Logged every update as clip_high, with the ESS at each candidate (ess_clip_*)."""
+    clip_high_auto_grid: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 3.0, 4.0)
+    """With clip_high: auto, the eps_high values it chooses from, increasing (0.2: PPO's; 4.0:
+    the paper's relaxed clip); at most 8. The smallest where none keeps the ESS."""
+    clip_high_auto_ess: float = 0.5
+    """With clip_high: auto, the effective sample size, as a share of the tokens, the capped ratios
+    must keep: (sum w)^2 / (n sum w^2) >= this, w = min(rho, 1 + eps_high). 0.5 is importance
+    sampling's usual resampling threshold (Kong 1992; Liu 2001): below it the weighted estimate's
+    variance is over twice an on-policy one's."""
     clip_ratio_c: float | None = None
     """Dual clip (Ye et al. 2019; verl actor.clip_ratio_c, which verl's vanilla loss always
     applies at 3.0): a token with A < 0 contributes at most clip_ratio_c * |A| to the loss, its
@@ -157,6 +170,27 @@ class AlgoConfig(Section):
     seed: int = 1234
     """Seed for prompt order, minibatch shuffling and the learner's initialisation."""
 
+    @property
+    def clip_high_auto(self) -> bool:
+        """Whether the upper clip is set every update (``clip_high: auto``)."""
+        return self.clip_high == "auto"
+
+    def _check_clip_high(self) -> None:
+        if isinstance(self.clip_high, str) and self.clip_high != "auto":
+            try:
+                float(self.clip_high)
+            except ValueError:
+                self._fail("clip_high", "must be a number or 'auto'")
+            self._fail("clip_high", "must be a finite number")
+        if not self.clip_high_auto:
+            self._non_negative("clip_high")
+        grid = self.clip_high_auto_grid
+        if not 1 <= len(grid) <= 8 or any(b <= a for a, b in zip(grid, grid[1:])) \
+                or grid[0] <= 0:
+            self._fail("clip_high_auto_grid", "must be 1 to 8 increasing values > 0")
+        if not 0 < self.clip_high_auto_ess <= 1:
+            self._fail("clip_high_auto_ess", "must be in (0, 1]")
+
     def __post_init__(self) -> None:
         self._positive("total_updates", "updates_per_phase", "prompts_per_phase",
                        "samples_per_update", "adv_eps")
@@ -165,7 +199,7 @@ class AlgoConfig(Section):
                                         f"({self.updates_per_phase})")
         if not 0 <= self.clip_low <= 1:
             self._fail("clip_low", "must be in [0, 1] (the lower ratio bound 1 - clip_low >= 0)")
-        self._non_negative("clip_high")
+        self._check_clip_high()
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             self._fail("clip_ratio_c", "must be > 1 (the dual clip bounds an A < 0 token's loss "
                                        "at clip_ratio_c * |A|, above the clip's own) or null")

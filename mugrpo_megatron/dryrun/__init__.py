@@ -123,4 +123,5 @@ def plan(cfg: Config, world_size: int, gpus_per_node: int | None = None) -> str:
         f"world size {world_size}: TP {cfg.parallel.tensor} x PP {cfg.parallel.pipeline} x DP "
         f"{layout.data_parallel}; {layout.placement.describe()}",
         f"schedule: {describe_schedule(cfg)}",
-        f"clip ratio to [{1 - a.clip_low:g}, {1 + a.clip_high:g}]; veto {veto}"])
+        f"clip ratio to [{1 - a.clip_low:g}, "
+        f"{'auto' if a.clip_high_auto else f'{1 + a.clip_high:g}'}]; veto {veto}"])

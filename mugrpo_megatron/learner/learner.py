@@ -150,7 +150,10 @@ class Learner:
         """The learner a run of ``cfg`` trains: its sections, and the clipped, vetoed policy
         loss of ``cfg.algo``."""
         a = cfg.algo
-        loss = partial(policy_loss, clip_low=a.clip_low, clip_high=a.clip_high,
+        auto = a.clip_high_auto  # the trainer passes each update's clip (phase.AutoClip)
+        loss = partial(policy_loss, clip_low=a.clip_low,
+                       clip_high=a.clip_high_auto_grid[-1] if auto else a.clip_high,
+                       ess_grid=a.clip_high_auto_grid if auto else None,
                        clip_ratio_c=a.clip_ratio_c, log_ratio_clamp=a.log_ratio_clamp,
                        veto_threshold=a.veto_threshold, veto_scope=a.veto_scope,
                        veto_prefix_bound=a.veto_prefix_bound, loss_agg=a.loss_agg,
@@ -342,10 +345,13 @@ class Learner:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, batch: TrainBatch, *, dp_local: bool = False) -> StepResult:
+    def train_step(self, batch: TrainBatch, *, dp_local: bool = False,
+                   clip_high: float | None = None) -> StepResult:
         """One optimizer update over a minibatch: ``batch`` is the whole of it, the same on every
         rank, or with ``dp_local`` only this data-parallel rank's rows of it (``dp_rows``), padded
-        to their own longest. Both give the same update."""
+        to their own longest. Both give the same update. ``clip_high``: this update's eps_high
+        in place of the loss's own (``algo.clip_high: auto``)."""
+        clip = {} if clip_high is None else {"clip_high": clip_high}
         t0 = time.perf_counter()
         # The global counts of response tokens (next-aligned, before the veto) and of responses:
         # every microbatch's loss is divided by what algo.loss_agg makes of them, so the update
@@ -369,7 +375,7 @@ class Learner:
             loss, metrics = self.loss(
                 per_sequence(mb, logp), behav, mb.advantages.to(device), mb.loss_mask.to(device),
                 num_tokens=counts[0], num_sequences=counts[1], entropy=per_sequence(mb, entropy),
-                ref_logp=ref.to(device) if ref is not None else None)
+                ref_logp=ref.to(device) if ref is not None else None, **clip)
             metrics["loss"] = loss.detach().float()
             return loss * scale, metrics
 

@@ -28,6 +28,7 @@ from mugrpo_megatron.phase.generation import GenerationFailed, generate_phase
 from mugrpo_megatron.phase.record import PhaseRecord
 from mugrpo_megatron.phase.refill import Refill
 from mugrpo_megatron.phase.schedule import (
+    AutoClip,
     DriftBound,
     Phase,
     PhaseEnd,
@@ -36,7 +37,7 @@ from mugrpo_megatron.phase.schedule import (
 )
 from mugrpo_megatron.phase.store import Advantages, is_generated, phase_dir, record_plan
 
-__all__ = ["Advantages", "DriftBound", "GenerationFailed", "LogprobGap", "Phase", "PhaseData",
-           "PhaseEnd", "PhaseRecord", "PhaseScheduler", "Refill", "ScheduleState", "check_packing",
-           "generate_phase", "is_generated", "mismatch_gap", "phase_dir", "record_plan",
-           "score_behaviour", "score_reference"]
+__all__ = ["Advantages", "AutoClip", "DriftBound", "GenerationFailed", "LogprobGap", "Phase",
+           "PhaseData", "PhaseEnd", "PhaseRecord", "PhaseScheduler", "Refill", "ScheduleState",
+           "check_packing", "generate_phase", "is_generated", "mismatch_gap", "phase_dir",
+           "record_plan", "score_behaviour", "score_reference"]

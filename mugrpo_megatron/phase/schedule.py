@@ -29,6 +29,7 @@ import torch
 
 from mugrpo_megatron.config import AlgoConfig, Config
 from mugrpo_megatron.config.run import MIXTURE_BLOCK, source_name
+from mugrpo_megatron.objective import ess_fractions
 
 PLANNED_FROM = 2
 """A phase after the first generates for the longest of this many phases before it."""
@@ -121,6 +122,45 @@ class DriftBound:
     def drift(self) -> float:
         """The windowed drift now (NaN before the first update)."""
         return sum(self.window) / len(self.window) if self.window else math.nan
+
+
+class AutoClip:
+    """``algo.clip_high: auto``: each update's eps_high, from what the update before it measured.
+
+    The rule, chosen before any run: the widest upper clip, up to the paper's relaxed 5, under
+    which the ratios that weight the positive-advantage tokens' gradients keep an effective
+    sample size of at least ``clip_high_auto_ess`` (0.5) of their number; never narrower than
+    the grid's smallest (0.2: PPO's). An upper clip acts on A > 0 tokens alone (an A < 0 token's
+    min picks its unclipped branch above 1 + eps), and capping their ratios at c trades bias for
+    variance as truncated importance sampling does (Ionides 2008): while the capped weights keep
+    half their effective sample size the variance stays within about twice an on-policy one's
+    (the resampling threshold of Kong 1992), and the clip stays as wide as the paper's. The
+    update before's ratios stand in for this update's (they differ by one step's drift, ~1e-3 in
+    |log rho| here), so the rule costs no pass: the ESS at each candidate is summed in the loss
+    and reduced with the update's other metrics, the same on every rank whatever the layout. A
+    phase's first update takes the widest (its ratios are all 1: ESS = 1)."""
+
+    def __init__(self, algo: AlgoConfig, saved: float | None = None):
+        self.grid, self.ess_min = algo.clip_high_auto_grid, algo.clip_high_auto_ess
+        self.clip = self.grid[-1] if saved is None else saved
+        """The next update's eps_high (the checkpoint keeps it: a resume mid-phase goes on
+        with the clip the uninterrupted run had)."""
+
+    def observe(self, metrics: dict[str, float]) -> None:
+        """Take an update's combined metrics (``policy_loss(ess_grid=...)``): log the clip it
+        ran with and its ESS at each candidate in ``metrics``, and set the next clip."""
+        fractions = ess_fractions(metrics, self.grid)
+        for i in range(len(self.grid)):
+            metrics.pop(f"ess_capped_mean_{i}", None)
+            metrics.pop(f"ess_capped_sq_mean_{i}", None)
+        metrics["clip_high"] = self.clip
+        for eps, f in zip(self.grid, fractions):
+            if f is not None:
+                metrics[f"ess_clip_{eps:g}"] = f
+        if any(f is not None for f in fractions):  # else (no A > 0 token) as it was
+            ok = [eps for eps, f in zip(self.grid, fractions) if f is not None
+                  and f >= self.ess_min]
+            self.clip = max(ok) if ok else self.grid[0]
 
 
 class PhaseScheduler:
@@ -348,13 +388,16 @@ class Mixture:
 @dataclass
 class ScheduleState:
     """What a checkpoint keeps of the schedule: the phases that ended, and the running phase's
-    drift window. JSON in ``state.json`` (a few numbers a phase)."""
+    drift window and automatic clip. JSON in ``state.json`` (a few numbers a phase)."""
 
     ended: list[PhaseEnd]
     drift_window: list[float]
+    clip_high: float | None = None
+    """``algo.clip_high: auto``: the running phase's next eps_high (``AutoClip``)."""
 
     def to_json(self) -> dict:
-        return {"ended": [asdict(e) for e in self.ended], "drift_window": list(self.drift_window)}
+        return {"ended": [asdict(e) for e in self.ended], "drift_window": list(self.drift_window),
+                "clip_high": self.clip_high}
 
     @classmethod
     def from_counters(cls, counters: dict, algo: AlgoConfig) -> ScheduleState:
@@ -362,7 +405,8 @@ class ScheduleState:
         drift-bounded schedules, the fixed schedule's phases up to its update."""
         saved = counters.get("schedule")
         if saved is not None:
-            return cls([PhaseEnd(**e) for e in saved["ended"]], list(saved["drift_window"]))
+            return cls([PhaseEnd(**e) for e in saved["ended"]], list(saved["drift_window"]),
+                       saved.get("clip_high"))
         mu = algo.updates_per_phase
         return cls([PhaseEnd(i, i * mu, mu, "mu", algo.prompts_per_phase)
                     for i in range(counters["update"] // mu)], [])
