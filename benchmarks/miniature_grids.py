@@ -47,6 +47,11 @@ GRPO4 = Row("grpo_mu4", "GRPO mu=4, [0.8, 1.2]", False, (0.2, 0.2), None)
 GRPOM = Row("grpo_muM", "GRPO mu=M, [0.8, 1.2]", True, (0.2, 0.2), None)
 NOVETO = Row("relaxed_noveto", "mu=M, [0, 5], no veto", True, (1.0, 4.0), None)
 MUGRPO = Row("mugrpo", "Mu-GRPO: mu=M, [0, 5], suffix veto", True, (1.0, 4.0), "suffix")
+MUGRPO_AUTO = Row("mugrpo_auto", "Mu-GRPO, eps_high auto (ESS >= 0.5), suffix veto", True,
+                  (1.0, 4.0), "suffix", extra=(("algo.clip_high", "auto"),))
+"""Mu-GRPO with ``algo.clip_high: auto`` (the paper's open question 2; the rule in
+``phase.AutoClip``, chosen before any run): rows in the calibrated and today's (fast-drift)
+regimes and on the code task."""
 DAPO4 = Row("dapo_mu4", "DAPO-style GRPO mu=4: [0.8, 1.28], token-mean, overlong buffer, refill",
             False, (0.2, 0.28), None,
             extra=(("algo.overlong_buffer_tokens", 12), ("algo.overlong_penalty", 1.0),
@@ -72,7 +77,7 @@ ROWS = {r.name: r for r in [
     # which side of the relaxed clip matters: the low side opened, or the high side
     Row("clip_low_open_veto", "mu=M, [0, 1.2], suffix veto", True, (1.0, 0.2), "suffix"),
     Row("clip_high_open_veto", "mu=M, [0.8, 5], suffix veto", True, (0.2, 4.0), "suffix"),
-    DAPO4, DRGRPO4,
+    DAPO4, DRGRPO4, MUGRPO_AUTO,
 ]}
 
 
@@ -190,6 +195,12 @@ GRIDS = {g.name: g for g in [
          ((GRPO4, 2), (MUGRPO, 2)), uniform_policies=("keep", "drop", "drop_once")),
     Grid("phase-sweep", "Mu-GRPO at 2, 4, 8 and 16 phases of equal total updates",
          (), phase_sweep=(2, 4, 8, 16)),
+    Grid("calibrated-auto", "the automatic upper clip at the paper-calibrated regime, beside "
+                            "Mu-GRPO's fixed [0, 5]",
+         ((MUGRPO_AUTO, 3), (MUGRPO, 3)), eval_every=16, **CALIBRATION),
+    Grid("today-auto", "the automatic upper clip at today's fast-drift regime, beside Mu-GRPO's "
+                       "fixed [0, 5] and GRPO mu=4",
+         ((MUGRPO_AUTO, 3), (MUGRPO, 3), (GRPO4, 3))),
     Grid("recipes", "the GRPO family's recipes on our loop at today's regime: GRPO mu=4 vanilla, "
                     "DAPO-style and Dr.GRPO-style, and Mu-GRPO with a KL trust region to the "
                     "behaviour policy at two coefficients",
@@ -203,9 +214,11 @@ CODE_CALIBRATION = {"lr": 1e-5, "mu": 32, "phases": 4, "samples_per_update": 32}
 (``CALIBRATION``) until the code task's own GRPO-only calibration runs choose one by the same
 criteria, before any other row runs on it."""
 CODE_GRIDS = {g.name: g for g in [
-    Grid("code", "the veto beyond math (the paper's open question 3): the paper's three rows and "
-                 "the relaxed clip without veto on the code task, 3 seeds a row",
-         ((GRPO4, 3), (GRPOM, 3), (NOVETO, 3), (MUGRPO, 3)), eval_every=32, **CODE_CALIBRATION),
+    Grid("code", "the veto beyond math (the paper's open question 3): the paper's three rows, "
+                 "the relaxed clip without veto, and Mu-GRPO with the automatic upper clip on "
+                 "the code task, 3 seeds a row",
+         ((GRPO4, 3), (GRPOM, 3), (NOVETO, 3), (MUGRPO, 3), (MUGRPO_AUTO, 3)), eval_every=32,
+         **CODE_CALIBRATION),
 ]}
 """The grids of ``--task code``."""
 

@@ -9,6 +9,7 @@ stays absent here: averages are over the updates that have it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from dataclasses import asdict
@@ -20,7 +21,7 @@ CURVES = [("clip_frac", "clip fraction"), ("clip_frac_low", "clip fraction, low 
           ("rho_neg_mean", "E[rho | A < 0]"), ("log_rho_neg_mean", "mean log rho | A < 0"),
           ("rho_neg_below_half_frac", "A < 0 tokens with rho < 0.5"),
           ("abs_log_ratio_mean", "mean |log rho|"), ("entropy_mean", "policy entropy"),
-          ("grad_norm", "gradient norm")]
+          ("grad_norm", "gradient norm"), ("clip_high", "eps_high (algo.clip_high: auto)")]
 """The per-update numbers each run keeps (the miniature's JSON)."""
 PLOTTED = ("clip_frac_low", "clip_frac_high", "veto_response_frac", "rho_neg_mean",
            "abs_log_ratio_mean", "entropy_mean", "grad_norm")
@@ -94,7 +95,7 @@ def summarize(runs: list[dict]) -> dict:
             "uniform_frac": mean(r["uniform_frac"] for r in runs),
             "late_phase_abs_log_ratio": mean(r["late_phase_abs_log_ratio"] for r in runs),
             "phase_end_clip_frac": mean(r["phase_end_clip_frac"] for r in runs),
-            "run_clip_frac": run_mean("clip_frac"),
+            "run_clip_frac": run_mean("clip_frac"), "run_clip_high": run_mean("clip_high"),
             **{f"late_{k}": late(k) for k, _ in CURVES}}
 
 
@@ -122,6 +123,8 @@ def grid_table(summary: dict[str, dict], lines: list) -> str:
     for key, label, uniform, _ in lines:
         s = summary[key]
         name = f"{label} ({uniform} uniform groups)" if len(policies) > 1 else label
+        if not math.isnan(s["late_clip_high"]):  # the automatic clip's: its mean, late
+            name += f" (eps_high {s['run_clip_high']:.2f}, late {s['late_clip_high']:.2f})"
         rows.append([name, str(s["seeds"]), _syncs(s), f"{s['before']:.3f}", _after(s),
                      f"{s['peak']:.3f}", f"{s['rollout']:.1f}", f"{s['total']:.1f}",
                      f"{100 * s['run_clip_frac']:.3f}%", f"{100 * s['phase_end_clip_frac']:.3f}%",
