@@ -209,15 +209,18 @@ GRIDS = {g.name: g for g in [
 ]}
 PHASE_SWEEP_SEEDS = 2
 
-CODE_CALIBRATION = {"lr": 1e-5, "mu": 32, "phases": 4, "samples_per_update": 32}
-"""The code task's regime (``paper_miniature.py --task code``): the math regime's
-(``CALIBRATION``) until the code task's own GRPO-only calibration runs choose one by the same
-criteria, before any other row runs on it."""
+CODE_CALIBRATION = {"lr": 3e-5, "mu": 24, "phases": 5, "samples_per_update": 32}
+"""The code task's regime (``paper_miniature.py --task code``), read from GRPO rows alone by
+the math regime's criteria before any other row ran on the code task (benchmarks/RESULTS.md,
+'Choosing the code task's regime'): at lr 1e-5 GRPO mu=4 gained 0.051 in 128 updates (under
+0.1); at 3e-5 it gained 0.108, clipping 0.039% of tokens, and GRPO's tight clip at mu = 32
+clipped 0.52% of tokens 16-24 updates into a phase (0.87% at 24-32), so M = 24, and 5 phases
+(120 updates) to keep about the 128 updates over which mu=4 gained 0.1."""
 CODE_GRIDS = {g.name: g for g in [
     Grid("code", "the veto beyond math (the paper's open question 3): the paper's three rows, "
                  "the relaxed clip without veto, and Mu-GRPO with the automatic upper clip on "
                  "the code task, 3 seeds a row",
-         ((GRPO4, 3), (GRPOM, 3), (NOVETO, 3), (MUGRPO, 3), (MUGRPO_AUTO, 3)), eval_every=32,
+         ((GRPO4, 3), (GRPOM, 3), (NOVETO, 3), (MUGRPO, 3), (MUGRPO_AUTO, 3)), eval_every=24,
          **CODE_CALIBRATION),
 ]}
 """The grids of ``--task code``."""
