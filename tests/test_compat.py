@@ -4,6 +4,7 @@ silently inert (learner/compat_megatron.py, engines/compat_vllm.py)."""
 
 import importlib
 import inspect
+import math
 
 import pytest
 import torch
@@ -98,6 +99,47 @@ def test_model_space_rectangles_cover_a_flat_range_exactly():
                 assert (values.diff() == 1).all()  # contiguous in the flattening
                 got += values.tolist()
             assert got == list(range(start, end)), (shape, start, end)
+
+
+def test_yarn_reaches_megatrons_rotary_embedding_with_no_concentration_factor():
+    """Part 8: the config's yarn_* attributes are what megatron's GPT model gives its YaRN
+    embedding, and the concentration factor megatron would apply inside attention (which TE's
+    fused RoPE refuses unless 1) is exactly 1; model.py carries HF's in the softmax scale."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+        _yarn_get_concentration_factor_from_config,
+    )
+
+    from mugrpo_megatron.config import ModelConfig, ParallelConfig
+    from mugrpo_megatron.learner.model import gpt_model_kwargs, transformer_config
+    from mugrpo_megatron.models.hf_config import model_spec_from_dict
+
+    spec = model_spec_from_dict({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "hidden_size": 32,
+        "intermediate_size": 64, "num_attention_heads": 2, "head_dim": 16, "vocab_size": 128,
+        "max_position_embeddings": 256, "rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 16, "truncate": False}})
+    config = transformer_config(spec, ModelConfig(path="unused"), ParallelConfig())
+    assert _yarn_get_concentration_factor_from_config(config) == 1.0
+    assert config.softmax_scale == pytest.approx((0.1 * math.log(4.0) + 1) ** 2 / 4)
+    from megatron.core.models.gpt import GPTModel
+
+    source = inspect.getsource(GPTModel.__init__)  # where the yarn_* attributes are read
+    for name in [n for n in vars(config) if n.startswith("yarn_")]:
+        assert f'"{name}"' in source, name
+    assert len([n for n in vars(config) if n.startswith("yarn_")]) == 7
+    assert gpt_model_kwargs(spec)["position_embedding_type"] == "yarn"
+    with compat_megatron.megatron_on_cpu():  # the class takes them as GPTModel passes them
+        rope = YarnRotaryEmbedding(
+            kv_channels=16, scaling_factor=config.yarn_rotary_scaling_factor,
+            original_max_position_embeddings=config.yarn_original_max_position_embeddings,
+            beta_fast=config.yarn_beta_fast, beta_slow=config.yarn_beta_slow,
+            mscale=config.yarn_mscale, mscale_all_dim=config.yarn_mscale_all_dim,
+            correction_range_round_to_int=config.yarn_correction_range_round_to_int,
+            use_cpu_initialization=True)
+        _, mscale = rope.get_emb(8)
+    assert mscale == 1.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-ins apply only without CUDA")

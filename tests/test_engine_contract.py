@@ -18,7 +18,8 @@ from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "dist" / "engine_worker.py"
 MODELS = {"llama": {}, "qwen2_tied": {"family": "qwen2", "tie_embeddings": True},
-          "qwen3": {"family": "qwen3"}, "qwen3_moe": {"family": "qwen3_moe"}}
+          "qwen3": {"family": "qwen3"}, "qwen3_moe": {"family": "qwen3_moe"},
+          "qwen3_yarn": {"family": "qwen3_yarn"}}
 LAYOUTS = {"tp2": ["parallel.tensor=2"], "pp2": ["parallel.pipeline=2"],
            "ep2": ["parallel.expert=2"]}
 SMALL_BUCKET = 64 << 10
@@ -26,10 +27,11 @@ SMALL_BUCKET = 64 << 10
 
 
 def cases():
-    """Every model at TP2 and PP2; the MoE model also with its experts split over two ranks."""
+    """Every model at TP2 and PP2 (YaRN at TP2 only: it changes the rotation, not the layout); the
+    MoE model also with its experts split over two ranks."""
     for model in MODELS:
         for layout in LAYOUTS:
-            if layout != "ep2" or model.endswith("moe"):
+            if (layout != "ep2" or model.endswith("moe")) and (layout == "tp2" or model != "qwen3_yarn"):
                 yield model, layout
 ENGINES = [pytest.param(name, marks=pytest.mark.skipif(
                importlib.util.find_spec(name) is None, reason=f"{name} is not installed here"))
@@ -110,6 +112,16 @@ def test_reshard_into_engine(workdir, engine, model, layout):
     names = 39 if model == "llama" else None
     if names:
         assert all(s["tensors"] == names for s in r["sync"])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_yarn_gap_is_at_float_precision(workdir, engine):
+    """YaRN (factor 8 over 64 positions) in the learner, as megatron-core's YaRN rotation with
+    the attention factor in the softmax scale, against the engine's own YaRN: the train/inference
+    gap within 1e-5 before and after an update (plain RoPE there would be off by ~1)."""
+    gaps = run(workdir, engine, "qwen3_yarn_tp2")["gaps"]
+    for label in ("initial", "after_step", "restored"):
+        assert gaps[label]["max"] <= 1e-5, (label, gaps[label])
 
 
 def check_contract(out):

@@ -87,8 +87,39 @@ def test_unsupported_and_layout_errors():
     spec.check_tensor_parallel(4)
     with pytest.raises(ValueError, match="no HF mapping"):
         map_param("decoder.layers.0.mlp.router.weight", spec, 0)
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
-        model_spec_from_dict({**CFG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported"):
+        model_spec_from_dict({**CFG, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+
+
+def test_yarn_is_read_as_transformers_and_vllm_read_it():
+    """Qwen3's long-context YaRN block, as its model card has users add it, comes back complete
+    with transformers' defaults; the attention factor as HF and vLLM compute it; what neither
+    reads, or what the learner cannot express, is refused by name."""
+    import math
+
+    from mugrpo_megatron.models.rope import yarn_attention_factor
+
+    qwen = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    spec = model_spec_from_dict({**CFG, "max_position_embeddings": 131072, "rope_scaling": qwen})
+    assert spec.rope_scaling == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": None, "mscale_all_dim": None,
+        "truncate": True, "attention_factor": pytest.approx(0.1 * math.log(4.0) + 1)}
+    # transformers 5's spelling; without original_max_position_embeddings, the config's maximum
+    spec = model_spec_from_dict({**CFG, "max_position_embeddings": 4096, "rope_parameters": {
+        "rope_type": "yarn", "factor": 2.0, "rope_theta": 5e5, "truncate": False}})
+    assert spec.rope_theta == 5e5 and spec.rope_scaling["original_max_position_embeddings"] == 4096
+    assert spec.rope_scaling["truncate"] is False
+    # DeepSeek's mscale pair; a given attention_factor wins (transformers and vLLM alike)
+    assert yarn_attention_factor(40.0, 1.0, 1.0) == 1.0
+    assert yarn_attention_factor(40.0, 0.707, None) == pytest.approx(0.1 * math.log(40) + 1)
+    spec = model_spec_from_dict({**CFG, "rope_scaling": {**qwen, "attention_factor": 1.5}})
+    assert spec.rope_scaling["attention_factor"] == 1.5
+    for bad, match in (({**qwen, "low_freq_factor": 1.0}, r"rope_scaling\.low_freq_factor is not a YaRN"),
+                       ({**qwen, "factor": None}, r"rope_scaling\.factor is required"),
+                       ({**qwen, "partial_rotary_factor": 0.5}, "partial_rotary_factor")):
+        with pytest.raises(ValueError, match=match):
+            model_spec_from_dict({**CFG, "rope_scaling": bad}, source="x/config.json")
 
 
 def test_buckets_bound_size_and_big_tensor_alone():

@@ -52,42 +52,37 @@ letting a patch go silently inert.
 
 5. **The distributed optimizer's state in model space, without a gather** (``optimizer_state_
    in_model_space``). megatron-core's layouts for it either gather each TP x PP shard's whole
-   state on every data-parallel rank ("fully_reshardable": 12 bytes a parameter of the shard in
-   host memory on every rank at a save, ~55 GiB a rank at 70B on TP8 x PP4 x DP2), or tie the
-   checkpoint to the TP x PP layout ("dp_reshardable"). The one that did neither,
-   "fully_sharded_model_space", describes each rank's slice of a parameter with
-   ``ShardedTensor.flattened_range``, which 0.16.1 and 0.19.2 refuse ("not supported"). Inside
-   the context ``DistributedOptimizer.sharded_param_state_fs_model_space`` is replaced by
-   ``_model_space_pieces``: each rank's contiguous slice of a parameter (its flat range in the
-   distributed optimizer) is described as at most three rectangles of the parameter in model
-   space (uneven shards, which megatron hands to torch DCP), so each rank writes only what it
-   holds and any layout reads any other's; a ``ShardedTensorFactory`` per state joins the
-   rectangles back into the slice when loading, and megatron's own
-   ``load_parameter_state_from_fs_model_space`` takes it from there. Written here because no
-   megatron-core release has it.
+   state on every DP rank ("fully_reshardable": ~55 GiB a rank in host memory at 70B on
+   TP8 x PP4 x DP2), or tie the checkpoint to the TP x PP layout ("dp_reshardable"); the one
+   that did neither, "fully_sharded_model_space", uses ``ShardedTensor.flattened_range``, which
+   0.16.1 and 0.19.2 refuse. Inside the context its ``sharded_param_state_fs_model_space`` is
+   ``_model_space_pieces``: each rank's flat slice of a parameter as at most three rectangles in
+   model space (uneven shards for torch DCP), so each rank writes only what it holds and any
+   layout reads any other's; a ``ShardedTensorFactory`` per state joins them back on load, and
+   megatron's ``load_parameter_state_from_fs_model_space`` takes it from there.
 
-6. **No compiled fusions on CPU** (``_import_megatron``, run when this module is imported, which
-   ``mugrpo_megatron.learner`` does first): megatron-core decorates its fused kernels with
-   ``torch.compile`` at import (``megatron/core/jit.py``: ``jit_fuser = torch.compile``, 0.16.1
-   and 0.19.2), which imports torch's dynamo and inductor (~4 s of every process's start-up
-   here) for kernels a CPU run never calls (the fusions are off without TE: ``model.py``).
-   Without CUDA, megatron-core is imported with ``torch.compile`` standing in as the identity,
-   so ``jit_fuser`` stays a plain decorator; ``torch.compile`` itself is restored at once.
+6. **No compiled fusions on CPU** (``_import_megatron``, at this module's import, which
+   ``mugrpo_megatron.learner`` does first): ``megatron/core/jit.py`` sets ``jit_fuser =
+   torch.compile`` (0.16.1, 0.19.2), importing dynamo and inductor (~4 s of every start-up) for
+   fusions a CPU run never calls. Without CUDA, megatron-core is imported with ``torch.compile``
+   the identity for the moment of the import.
 
 7. **Checkpoint writers that end with the run** (``checkpoint_writers_die_with_us``, before
-   every save). megatron-core's file-system writer (``dist_checkpointing/strategies/
-   filesystem_async.py``) collects its writers' results through the queue of a
-   ``multiprocessing`` manager it starts at the first save and keeps in the module's
-   ``_results_queue`` (0.16.1 ``_get_write_results_queue``, 0.19.2 ``get_write_results_queue``:
-   a spawned server process that lives as long as the run), and 0.16.1 writes each save's files
-   from forked processes (``FileSystemWriterAsync.write_preloaded_data``; 0.19.2 from threads).
-   A SIGKILL of the run left the manager alive on every rank (found by
-   ``tests/test_user_data.py``). Here ``_results_queue`` is filled first, from a manager started
-   with ``procs.die_with_parent`` as its initializer, and a writer that runs in a forked process
-   calls it first, so neither outlives the run.
+   every save). megatron-core's file-system writer (``filesystem_async.py``) collects results
+   through the queue of a spawned ``multiprocessing`` manager kept in ``_results_queue``
+   (0.16.1 and 0.19.2), and 0.16.1 writes from forked processes (``FileSystemWriterAsync.
+   write_preloaded_data``; 0.19.2 from threads). A SIGKILL of the run left the manager alive on
+   every rank (``tests/test_user_data.py``). Here ``_results_queue`` comes from a manager
+   started with ``procs.die_with_parent``, which a forked writer also calls first.
 
-Sequence parallel with megatron's torch norms needs no patch here; the learner tags the norm
-weights ``sequence_parallel`` itself (see ``model.py``).
+8. **YaRN through undeclared config attributes** (``yarn_config``). With
+   ``position_embedding_type='yarn'`` megatron-core's GPT model reads ``yarn_*`` attributes of
+   the TransformerConfig with ``getattr`` (0.16.1 ``gpt_model.py`` 172-190), which no dataclass
+   declares (Megatron-LM and Megatron-Bridge set them so); they are set here. The attention
+   factor (HF's and vLLM's cos/sin multiplier) megatron would apply as ``apply_rotary_pos_emb``'s
+   ``mscale`` (``attention.py``, ``_yarn_get_concentration_factor_from_config``), which TE's
+   fused RoPE refuses unless 1 (``rope_utils.py`` 279): ``yarn_mscale = yarn_mscale_all_dim =
+   1`` make it exactly 1, and ``model.py`` puts its square into ``softmax_scale`` instead.
 """
 
 from __future__ import annotations
@@ -147,6 +142,8 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
     "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync"
     ".write_preloaded_data",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding:"
+    "_yarn_get_concentration_factor_from_config",
 )
 """``module:attribute`` of every upstream name a part below patches or reads."""
 _STREAM_WAITS_FROM = Version("0.19")
@@ -506,3 +503,18 @@ def checkpoint_writers_die_with_us() -> None:
         return write(*args, **kwargs)
 
     fa.FileSystemWriterAsync.write_preloaded_data = staticmethod(write_then_die_with_us)
+
+
+# ------------------------------------------------------------------ 8. YaRN
+
+
+def yarn_config(config, rope: dict) -> None:
+    """Part 8: megatron-core's YaRN fields on ``config`` from ``models.rope``'s dict, the
+    concentration factor held at exactly 1 (``model.py`` applies HF's through softmax_scale)."""
+    fields = {"yarn_rotary_scaling_factor": rope["factor"],
+              "yarn_original_max_position_embeddings": rope["original_max_position_embeddings"],
+              "yarn_beta_fast": rope["beta_fast"], "yarn_beta_slow": rope["beta_slow"],
+              "yarn_mscale": 1.0, "yarn_mscale_all_dim": 1.0,
+              "yarn_correction_range_round_to_int": rope["truncate"]}
+    for name, value in fields.items():
+        setattr(config, name, value)

@@ -10,6 +10,7 @@ rows and columns of the safetensors files that its tensor-parallel shards hold.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from mugrpo_megatron.learner.compat_megatron import (
     define_missing_te_gemm,
     groups_time_out_after,
     megatron_on_cpu,
+    yarn_config,
 )
 
 import torch
@@ -133,11 +135,20 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
             # all-to-all needs CUDA streams; all-gather works on gloo
             moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
             moe_grouped_gemm=False)
+    rope = spec.rope_scaling
+    if rope is not None and rope["rope_type"] == "yarn":
+        # HF and vLLM multiply cos and sin by the attention factor m, so q.k by m^2: the same
+        # scores as megatron's rotation without it and a softmax scale of m^2 / sqrt(head_dim)
+        # (compat_megatron part 8: why not megatron's own mscale)
+        kw["softmax_scale"] = rope["attention_factor"] ** 2 / math.sqrt(spec.head_dim)
     if model.fp8_format is not None:
         from mugrpo_megatron.learner.fp8 import fp8_kwargs
 
         kw.update(fp8_kwargs(model))
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    if rope is not None and rope["rope_type"] == "yarn":
+        yarn_config(config, rope)
+    return config
 
 
 def rope_fusion(te: bool) -> dict[str, bool]:
@@ -155,9 +166,11 @@ def gpt_model_kwargs(spec: ModelSpec) -> dict[str, Any]:
     kw: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": spec.rope_theta,
                           "max_sequence_length": spec.max_position_embeddings}
     if spec.rope_scaling is not None:
-        kind = spec.rope_scaling.get("rope_type", spec.rope_scaling.get("type"))
+        kind = spec.rope_scaling["rope_type"]
         factor = float(spec.rope_scaling["factor"])
-        if kind == "linear":
+        if kind == "yarn":  # its numbers go on the config (transformer_config)
+            kw["position_embedding_type"] = "yarn"
+        elif kind == "linear":
             kw["seq_len_interpolation_factor"] = factor
         else:  # llama3: megatron-core applies Llama 3.1's fixed low/high frequency factors
             expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mugrpo_megatron.models.rope import read_rope_scaling
+
 
 def _qwen3_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
@@ -105,6 +107,7 @@ class ModelSpec:
     norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
+    """None (plain RoPE), or ``models.rope.read_rope_scaling``'s dict: llama3, linear or yarn."""
     max_position_embeddings: int
     sliding_window: int | None
     init_std: float
@@ -200,20 +203,11 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
     sliding = cfg.get("sliding_window")
     if family.sliding_window_flag and not cfg.get(family.sliding_window_flag, False):
         sliding = None
-    rope_scaling = cfg.get("rope_scaling")
     rope_theta = cfg.get("rope_theta")
     rope_params = cfg.get("rope_parameters")  # transformers 5 keeps theta and scaling here
     if isinstance(rope_params, dict):
         rope_theta = rope_params.get("rope_theta", rope_theta)
-        if rope_params.get("rope_type", "default") != "default":
-            rope_scaling = rope_params
-    if rope_scaling is not None:
-        kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-        if kind not in ("llama3", "linear", "default"):
-            raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported "
-                             f"(supported: llama3, linear)")
-        if kind == "default":
-            rope_scaling = None
+    rope_scaling = read_rope_scaling(cfg, source)
     moe: dict[str, Any] = {}
     if family.moe is not None:
         moe = family.moe.read(cfg, source)

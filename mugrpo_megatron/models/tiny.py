@@ -49,6 +49,11 @@ TINY_FAMILIES: dict[str, dict] = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32},
+    # YaRN (Qwen3's long-context setting) from 64 positions to 512: rotations differ from plain
+    # RoPE from position 1 on, and q.k is scaled by (0.1 ln 8 + 1)^2
+    "qwen3_yarn": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32,
+                   "rope_scaling": {"rope_type": "yarn", "factor": 8.0,
+                                    "original_max_position_embeddings": 64}},
     "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
                 "sliding_window": None},
     # mixtures of experts: 4 experts, top-2
