@@ -33,6 +33,19 @@ def test_logits_and_the_weight_stream_take_what_the_dry_run_budgets(tmp_path):
     assert 0.8 * got["stream"] < got["stream_peak"] < 1.25 * got["stream"], got
 
 
+def test_an_entropy_bonus_at_a_temperature_takes_what_the_dry_run_budgets(tmp_path):
+    """The same update with an entropy bonus (its gradient) at temperature 0.7: one fp32 copy
+    of the logits more than without either (16 bytes a logit in fp32). The entropy's backward
+    used to take a fresh tensor for its gradient beside its saved copy, and the update peaked
+    at 28.5 bytes a logit, over the dry run's figure."""
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=3, vocab_size=65536, hidden_size=64,
+                              num_layers=2, ffn_hidden_size=128)
+    torchrun(2, WORKER, "learner_entropy", str(hf), str(tmp_path / "out.json"), timeout=900)
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["logits"] / got["logits_numel"] == 16
+    assert 0.6 * got["logits"] < got["update_peak"] < 1.15 * got["logits"], got
+
+
 def test_the_engine_reload_holds_what_the_dry_run_budgets(tmp_path):
     """vLLM's layer-wise reload keeps each module's streamed tensors until the module is complete
     (vllm 0.32-0.33, reload/layerwise.py), and a vocabulary it pads (400 rows here, not a

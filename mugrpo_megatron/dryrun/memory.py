@@ -19,8 +19,9 @@ What one rank holds:
 - logits (``logits_bytes``): a microbatch's vocabulary shard in fp32, which the log-probs work on
   in place and keep as the softmax for the backward pass (4 bytes a logit), beside the output
   layer's own output and megatron's transposed copy of it (2 x the model dtype) while one is
-  made from the other; at a temperature other than 1 a tempered copy (4 more). Checked on CPU
-  against the allocator's peak in an update (``tests/test_memory.py``).
+  made from the other; at a temperature other than 1, with an entropy bonus, or both, one fp32
+  copy more (4). Checked on CPU against the allocator's peak in an update
+  (``tests/test_memory.py``).
 - what no offload frees (``resident``): the CUDA context and library workspaces; NCCL's buffers,
   per communicator the rank uses (``communicators``: counted on CPU by recording the groups
   every collective of an update, a scoring pass and a weight sync goes over); with FP8,
@@ -149,10 +150,13 @@ def activation_bytes(cfg: Config, spec: ModelSpec, dp: int, recompute: str) -> t
 
 def logits_bytes(tokens: int, vocab_rows: int, dtype: str, temperature: float,
                  entropy_grad: bool = False) -> float:
-    """A microbatch's logits at their peak (see the module docstring); an entropy bonus
-    (``algo.entropy_coef``) keeps one more fp32 copy for its backward."""
-    per_logit = 4 + 2 * BYTES[dtype] + (4 if temperature != 1.0 else 0) + (4 if entropy_grad
-                                                                              else 0)
+    """A microbatch's logits at their peak (see the module docstring). A temperature other
+    than 1, an entropy bonus (``algo.entropy_coef``: its backward's saved fp32 copy, which the
+    gradient then overwrites) or both add one fp32 copy at the peak: measured on CPU, either
+    alone or both together peak at the same bytes a logit (``tests/test_memory.py``). Before
+    the entropy's gradient was written into its saved copy, both together peaked at 28.5
+    bytes a logit in fp32 (20 counted; 16.5 now)."""
+    per_logit = 4 + 2 * BYTES[dtype] + (4 if temperature != 1.0 or entropy_grad else 0)
     return float(tokens) * vocab_rows * per_logit
 
 

@@ -93,10 +93,12 @@ class _EntropyWithGrad(torch.autograd.Function):
         logits, m, z, mean = ctx.saved_tensors
         flat = logits.reshape(-1, logits.shape[-1])
         g = grad_out.reshape(-1)
-        out = torch.empty_like(flat)
         rows = max(1, ENTROPY_CHUNK // flat.shape[-1])
+        # the gradient overwrites the saved copy, chunk by chunk (each chunk needs only its own
+        # logits): no third fp32 copy of the logits at the backward's peak
         for lo in range(0, flat.shape[0], rows):
             hi = lo + rows
-            p = torch.exp(flat[lo:hi] - m[lo:hi, None]) / z[lo:hi, None]
-            out[lo:hi] = -p * (flat[lo:hi] - mean[lo:hi, None]) * g[lo:hi, None]
-        return out.view(logits.shape)
+            chunk = flat[lo:hi]
+            p = torch.exp(chunk - m[lo:hi, None]) / z[lo:hi, None]
+            chunk.sub_(mean[lo:hi, None]).mul_(p).mul_(-g[lo:hi, None])
+        return logits

@@ -73,12 +73,12 @@ def _works(out) -> list:
     return [torch.distributed.Work.unbox(x) for x in items if isinstance(x, torch.ScriptObject)]
 
 
-def learner_mode(hf_dir: str) -> dict:
+def learner_mode(hf_dir: str, extra: tuple[str, ...] = ()) -> dict:
     cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32", "parallel.tensor=2",
                              "parallel.micro_batch_size=1", "algo.samples_per_update=2",
                              "algo.total_updates=4", "algo.updates_per_phase=4",
                              "data.max_prompt_tokens=256", "rollout.max_new_tokens=256",
-                             "parallel.pack_tokens=0", "optim.lr=1e-4"])
+                             "parallel.pack_tokens=0", "optim.lr=1e-4", *extra])
     learner = Learner.from_config(cfg)
     g = torch.Generator().manual_seed(0)
     seq = 512
@@ -96,7 +96,8 @@ def learner_mode(hf_dir: str) -> dict:
         names = sum(1 for _ in iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=1 << 16))
     return {"update_peak": update.peak, "stream_peak": export.peak, "tensors": names,
             # one microbatch of one row: the dry run's logits for it
-            "logits": logits_bytes(seq, vocab_rows, "float32", 1.0),
+            "logits": logits_bytes(seq, vocab_rows, "float32", cfg.rollout.temperature,
+                                   entropy_grad=cfg.algo.entropy_coef > 0),
             "logits_numel": seq * vocab_rows,
             "stream": stream_bytes(learner.spec, 2, 1, 1 << 16, "float32")}
 
@@ -141,7 +142,12 @@ def main() -> None:
     from mugrpo_megatron.distributed import init_default_group
 
     init_default_group(30)
-    result = learner_mode(hf_dir) if mode == "learner" else reload_mode(hf_dir)
+    if mode == "learner":
+        result = learner_mode(hf_dir)
+    elif mode == "learner_entropy":  # an entropy bonus (its gradient) at a temperature below 1
+        result = learner_mode(hf_dir, ("algo.entropy_coef=0.01", "rollout.temperature=0.7"))
+    else:
+        result = reload_mode(hf_dir)
     if torch.distributed.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     torch.distributed.barrier()
