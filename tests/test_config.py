@@ -70,6 +70,10 @@ def test_yaml_and_overrides(tmp_path):
     ("algo=3", r"algo: expected a mapping, got 3"),
     ("algo.samples_per_update=100000", r"algo\.samples_per_update: 100000 is more than a phase"),
     ("novalue", r"expected KEY=VALUE"),
+    ("model.router_aux_loss_coeff=0.01",
+     r"model\.router_aux_loss_coeff: model\.router_load_balancing is 'none': set both"),
+    ("model.router_load_balancing=aux_loss", r"model\.router_aux_loss_coeff: .*'aux_loss'"),
+    ("model.router_dtype=bf16", r"model\.router_dtype: must be one of \['fp32', 'fp64'\]"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
@@ -154,3 +158,21 @@ def test_config_file_errors_name_the_file_and_line(tmp_path):
     p.write_bytes(b"algo:\n  clip_high: \xff\n")
     with pytest.raises(ValueError, match=r"bad\.yaml: not UTF-8 text"):
         load_config(p)
+
+
+def test_router_settings_need_a_mixture_of_experts():
+    from mugrpo_megatron.config import ModelConfig, ParallelConfig
+    from mugrpo_megatron.layout import check_model
+    from mugrpo_megatron.models.hf_config import model_spec_from_dict
+
+    dense = model_spec_from_dict({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
+                                  "hidden_size": 32, "intermediate_size": 64,
+                                  "num_attention_heads": 4, "vocab_size": 100})
+    check_model(dense, ModelConfig(), ParallelConfig())
+    for sets in ({"freeze_router": True}, {"router_dtype": "fp64"},
+                 {"router_load_balancing": "aux_loss", "router_aux_loss_coeff": 0.01}):
+        with pytest.raises(ValueError, match=rf"model\.{next(iter(sets))}: .* needs a "
+                                             r"mixture-of-experts model; LlamaForCausalLM is dense"):
+            check_model(dense, ModelConfig(**sets), ParallelConfig())
+    with pytest.raises(ValueError, match=r"model\.freeze_router: a frozen router has no load"):
+        ModelConfig(freeze_router=True, router_load_balancing="aux_loss", router_aux_loss_coeff=0.1)

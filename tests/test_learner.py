@@ -66,6 +66,10 @@ LAYOUTS = {name: (nproc, [*overrides, PAD]) for name, (nproc, overrides) in LAYO
 RECIPE = ["algo.loss_agg=seq-mean-token-mean", "algo.kl_coef=0.1", "algo.kl_estimator=k3",
           "algo.entropy_coef=0.05"]
 RECIPE_LAYOUTS = {"packed", "dp2_distopt_packed", "tp2_sp"}
+ROUTER = {"router_frozen": ["model.freeze_router=true"],
+          "router_aux": ["model.router_load_balancing=aux_loss", "model.router_aux_loss_coeff=0.1"],
+          "router_fp64": ["model.router_dtype=fp64"]}
+"""The router settings of RL (model.router_*, model.freeze_router), each at TP1 on the MoE model."""
 FULL = {"llama", "qwen2"}  # every dense layout; the other families at TP2 and PP2
 TIMEOUT_MINUTES = 180.0  # parallel.timeout_minutes' default
 
@@ -129,6 +133,8 @@ def jobs_for(family: str) -> dict[str, tuple[int, list[str], bool]]:
     """Every run the tests of ``family`` read: name -> (ranks, overrides, offload)."""
     jobs = {"tp1": (1, [], False)}
     jobs.update({name: (*LAYOUTS[name], False) for name in layouts_for(family)})
+    if family == "qwen3_moe":
+        jobs.update({f"tp1_{name}": (1, sets, False) for name, sets in ROUTER.items()})
     if family == "llama":
         jobs.update({f"{name}_offload": (*jobs[name][:2], True) for name in OFFLOADED})
         jobs["tp1_recipe"] = (1, RECIPE, False)
@@ -281,6 +287,28 @@ def test_layout_matches_tp1(workdir, family, layout):
     if "distopt" not in layout:  # with the distributed optimizer main_grad holds reduce-scattered shards
         for name, g in ref["grads"].items():
             assert torch.allclose(got["grads"][name], g, atol=1e-6, rtol=1e-4), name
+
+
+def test_router_settings_of_rl(workdir):
+    """A frozen router keeps the checkpoint's weights through the updates (no gradient) while
+    the rest learns, and routes as the unfrozen one before them; the load-balancing loss adds
+    its gradient (the logged loss stays the policy's); an fp64 router routes as the fp32 one."""
+    from safetensors.torch import load_file as load
+
+    base = run(workdir, "qwen3_moe", "tp1")
+    hf = load(str(checkpoint(workdir, "qwen3_moe") / "model.safetensors"))
+    frozen = run(workdir, "qwen3_moe", "tp1_router_frozen")
+    routers = [n for n in frozen["weights"] if n.endswith("mlp.gate.weight")]
+    assert routers and all(torch.equal(frozen["weights"][n], hf[n]) for n in routers)
+    assert all(not frozen["grads"][n].any() for n in routers)
+    assert not torch.equal(frozen["weights"]["lm_head.weight"], hf["lm_head.weight"])
+    assert all(not torch.equal(base["weights"][n], hf[n]) for n in routers)  # unfrozen: learns
+    assert torch.equal(frozen["tensors"]["logp0"], base["tensors"]["logp0"])
+    aux = run(workdir, "qwen3_moe", "tp1_router_aux")["steps"][0]
+    assert aux["loss"] == pytest.approx(base["steps"][0]["loss"], abs=1e-6)
+    assert aux["grad_norm"] != pytest.approx(base["steps"][0]["grad_norm"], rel=1e-4)
+    fp64 = run(workdir, "qwen3_moe", "tp1_router_fp64")
+    assert (fp64["tensors"]["logp0"] - base["tensors"]["logp0"]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2pp2"])

@@ -32,10 +32,37 @@ class ModelConfig(Section):
     backward pass: ~2 bytes x tokens x hidden a layer instead of ~34 (divided by TP with
     sequence parallel), for about a third more compute per update. ``train --dry-run``
     estimates the optimizer's memory with each and names the cheapest that fits."""
+    router_dtype: Literal["fp32", "fp64"] = "fp32"
+    """Precision of a mixture of experts' routing (the router GEMM, softmax and top-k) whatever
+    ``dtype`` is: HF and vLLM route in fp32, so the engine picks the experts the learner picks.
+    fp64 on request (NeMo-RL ``megatron_cfg.moe_router_dtype: fp64``; megatron-core and slime
+    ``moe_router_dtype``, verl ``override_transformer_config.moe_router_dtype``)."""
+    router_load_balancing: Literal["none", "aux_loss", "seq_aux_loss"] = "none"
+    """The load-balancing loss of pre-training, off under RL: the loss is the policy's alone
+    (megatron-core ``moe_router_load_balancing_type``, as NeMo-RL and slime set it: none).
+    'aux_loss' / 'seq_aux_loss' add megatron-core's auxiliary loss, weighted by
+    ``router_aux_loss_coeff``, through its own gradient (the logged loss is the policy's)."""
+    router_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (megatron-core / slime / NeMo-RL ``moe_aux_loss_coeff``,
+    0 in their RL recipes); > 0 exactly when ``router_load_balancing`` is not 'none'."""
+    freeze_router: bool = False
+    """Keep every MoE router's weights as the checkpoint has them (no gradient, no optimizer
+    state), so routing changes only through the layers below it (NeMo-RL
+    ``megatron_cfg.freeze_moe_router``, verl ``override_config.moe_config.freeze_moe_router``:
+    NeMo-RL found the load-balancing loss, with an unfrozen router, made the train/inference
+    log-prob error diverge in GRPO). A resumed run keeps the setting it started with."""
 
     def __post_init__(self) -> None:
         if self.fp8_format is not None and self.dtype == "float32":
             self._fail("dtype", "FP8 training needs dtype bfloat16 or float16")
+        self._non_negative("router_aux_loss_coeff")
+        if (self.router_load_balancing == "none") != (self.router_aux_loss_coeff == 0):
+            self._fail("router_aux_loss_coeff", f"model.router_load_balancing is "
+                       f"{self.router_load_balancing!r}: set both (a load-balancing loss and a "
+                       f"weight > 0) or neither")
+        if self.freeze_router and self.router_load_balancing != "none":
+            self._fail("freeze_router", "a frozen router has no load balancing to learn; set "
+                       "model.router_load_balancing: none")
 
 
 @dataclass(frozen=True)

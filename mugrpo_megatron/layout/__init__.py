@@ -79,6 +79,13 @@ def check_model(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -
     """The layout's requirements of the model itself (see the module docstring)."""
     spec.check_tensor_parallel(parallel.tensor)
     spec.check_expert_parallel(parallel.expert)
+    if not spec.is_moe:
+        for key, value, default in (("router_dtype", model.router_dtype, "fp32"),
+                                    ("router_load_balancing", model.router_load_balancing, "none"),
+                                    ("freeze_router", model.freeze_router, False)):
+            if value != default:
+                raise ValueError(f"model.{key}: {value!r} needs a mixture-of-experts model; "
+                                 f"{spec.architecture} is dense")
     if spec.is_moe and parallel.tensor > 1 and not parallel.sequence_parallel:
         raise ValueError("parallel.sequence_parallel: megatron-core needs it for a "
                          "mixture-of-experts model with parallel.tensor > 1")

@@ -128,10 +128,11 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
             num_moe_experts=spec.num_experts, moe_router_topk=spec.experts_per_token,
             moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
             moe_router_pre_softmax=spec.router_pre_softmax,
-            # routing scores in fp32, as HF and the engines compute them
-            moe_router_dtype="fp32",
-            # no load-balancing loss in RL fine-tuning: the loss is the policy's alone
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            # routing in fp32 as HF and the engines route (model.router_dtype); no
+            # load-balancing loss in RL unless asked (model.router_load_balancing)
+            moe_router_dtype=model.router_dtype,
+            moe_router_load_balancing_type=model.router_load_balancing,
+            moe_aux_loss_coeff=model.router_aux_loss_coeff,
             # all-to-all needs CUDA streams; all-gather works on gloo
             moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
             moe_grouped_gemm=False)
@@ -287,6 +288,10 @@ def build_chunks(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) 
                 vp_stage=stage, **gpt_model_kwargs(spec))
             if torch.cuda.is_available():
                 chunk.cuda(torch.cuda.current_device())
+            if model.freeze_router:  # before DDP and the optimizer: no grad buffer, no state
+                for name, param in chunk.named_parameters():
+                    if ".router." in name:
+                        param.requires_grad_(False)
             chunks.append(chunk)
     return chunks
 

@@ -149,7 +149,8 @@ def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
         reads, "logprobs", learner.logprobs, TokenBatch(batch.tokens, batch.response_mask),
         with_entropy=True)
     steps = [counted(reads, "train_step", learner.train_step, batch)]
-    grads = hf_state(learner, tensor_of=lambda p: p.main_grad)
+    # a frozen parameter (model.freeze_router) has no gradient buffer: zeros in its place
+    grads = hf_state(learner, tensor_of=lambda p: p.main_grad if p.requires_grad else 0 * p)
     before = hf_state(learner)
     checksum = optimizer_checksum(learner)
     steps.append(learner.train_step(TrainBatch(batch.tokens, batch.response_mask, b["nan_behav"],
