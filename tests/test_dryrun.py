@@ -237,3 +237,30 @@ def test_every_config_runs_the_checks_it_promises(name, world, per_node, arch):
     # a phase smaller than the data-parallel size still gives every rank a row (repeated)
     assert len(spread_rows(3, 4, 16)) == 16 and set(spread_rows(3, 4, 16).tolist()) == {0, 1, 2}
     assert len(spread_rows(samples, 0, dp)) == 0  # the check turned off
+
+
+def test_the_engine_share_the_dry_run_names_is_the_largest_that_fits():
+    """The largest rollout.gpu_memory_utilization each engine-awake transition allows: set to
+    it (rounded down to a hundredth), the 70B config's generate transition fits with the margin;
+    0.02 more does not; and the sequences a replica holds at once are its KV tokens over the
+    longest sequence, at the configured share and at that largest one."""
+    path = ROOT / "configs" / "llama-3.1-70b_8x8xh100_fp8.yaml"
+    spec = read_model_spec(ROOT / "configs" / "models" / "llama-3.1-70b-instruct.json")
+    e = estimate(load_config(path), spec, 2, ranks_per_node=8)
+    assert set(e["engine_share_max"]) == {"start", "generate", "evaluate"}
+    share = min(e["engine_share_max"].values())
+    gpu = H100_GIB * GIB
+
+    def generate_fits(u: float) -> bool:
+        got = estimate(load_config(path, [f"rollout.gpu_memory_utilization={u}"]), spec, 2,
+                       ranks_per_node=8)
+        return got["transitions"]["generate"] + got["margin"] <= gpu
+
+    assert generate_fits(math.floor(share * 100) / 100)
+    assert not generate_fits(math.floor(share * 100) / 100 + 0.02)
+    cfg = load_config(path)
+    assert e["sequences_at_once"] == int(e["kv_tokens"] // cfg.max_sequence_tokens) > 0
+    assert e["sequences_at_share_max"] > e["sequences_at_once"]
+    text = dry_run(cfg, 64, ROOT / "configs" / "models" / "llama-3.1-70b-instruct.json",
+                   gpus_per_node=8)
+    assert f"generate {e['engine_share_max']['generate']:.2f}" in text

@@ -82,6 +82,13 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         *[f"  {name:<9} {g(v)}  ({on_device[name]})" for name, v in e["transitions"].items()],
         f"  peak      {g(e['peak'])}  at {e['peak_transition']}, of {gpu_gib:g} GiB "
         f"(a margin of {g(e['margin']).strip()} kept free)",
+        f"engine share: rollout.gpu_memory_utilization {r.gpu_memory_utilization:g}; the largest "
+        f"each transition with the engine awake allows beside the rest and the margin: "
+        + ", ".join(f"{n} {u:.2f}" for n, u in e["engine_share_max"].items())
+        + f"; sequences of {cfg.max_sequence_tokens:,} tokens a replica's KV cache holds at "
+          f"once: {e['sequences_at_once']:,} at {r.gpu_memory_utilization:g}, "
+          f"{e['sequences_at_share_max']:,} at {min(e['engine_share_max'].values()):.2f}"
+        + (f" (rollout.max_num_seqs caps it at {r.max_num_seqs})" if r.max_num_seqs else ""),
         f"host memory per node ({e['ranks_per_node']} ranks), pinned: "
         f"{g(e['host_per_node']).strip()} (the learner's offload in "
         f"{g(e['host_learner']).strip()} of 256 MiB chunks a rank, the sleeping engine's "

@@ -353,6 +353,13 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     # level 2: the pools, not the weights
     engine_host = (pinned(VLLM_RUNTIME) + pinned(VLLM_GRAPH_POOL)
                    if vllm and r.sleep_between_phases else 0)
+    # the engine's share: the largest gpu_memory_utilization each transition with the engine
+    # awake allows beside what else is on the GPU then (and the margin), and the max-length
+    # sequences a replica's KV cache holds at once, at this config's share and at that one
+    others = {n: transitions[n] - parts["engine awake"] for n, parts in items.items()
+              if "engine awake" in parts}
+    share_max = {n: (gpu_gib * GIB - margin - v) / (gpu_gib * GIB) for n, v in others.items()}
+    kv_at_max = max(0.0, min(share_max.values()) * gpu_gib * GIB - engine_weights)
     phase_tokens = cfg.algo.prompts_per_phase * r.group_size * cfg.max_sequence_tokens
     world = dp * p.tensor * p.pipeline
     return {
@@ -362,6 +369,9 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
         "activations": act, "logits": logits, "learner": state + act + logits,
         "cuda_context": CUDA_CONTEXT, "nccl": nccl, "communicators": comms, "fp8_cache": fp8_cache,
         "engine_weights": engine_weights, "kv_cache": kv, "kv_tokens": kv / kv_per_token,
+        "engine_share_max": share_max,
+        "sequences_at_once": int(kv / kv_per_token // cfg.max_sequence_tokens),
+        "sequences_at_share_max": int(kv_at_max / kv_per_token // cfg.max_sequence_tokens),
         "engine": engine_awake, "engine_pools": pools, "stream": stream, "reload": reload,
         "offloaded": offloaded, "transitions": transitions, "transition_items": items,
         "peak_transition": peak_name,
