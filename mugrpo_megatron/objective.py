@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from mugrpo_megatron import chunked
+
 VETO_SCOPES: tuple[str, ...] = ("none", "trigger", "suffix", "suffix_no_trigger", "sequence", "prefix")
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                       "seq-mean-token-sum-norm")
@@ -79,6 +81,16 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_tokens: 
     return torch.clamp(-exceed / buffer_tokens * factor, max=0.0)
 
 
+def check_veto(threshold: float, scope: str, prefix_bound: float | None) -> None:
+    """ValueError for a veto ``veto_mask`` cannot apply."""
+    if scope not in VETO_SCOPES:
+        raise ValueError(f"veto scope must be one of {VETO_SCOPES}, got {scope!r}")
+    if not threshold > 0:
+        raise ValueError(f"veto threshold must be > 0, got {threshold}")
+    if scope == "prefix" and not (prefix_bound is not None and prefix_bound > 0):
+        raise ValueError(f"veto scope 'prefix' needs a prefix bound > 0, got {prefix_bound}")
+
+
 def veto_mask(
     log_ratio: torch.Tensor,
     advantages: torch.Tensor,
@@ -107,12 +119,7 @@ def veto_mask(
 
     Returns bool ``[B, T]``: True where the token stays. Tokens outside ``response_mask`` are False.
     """
-    if scope not in VETO_SCOPES:
-        raise ValueError(f"veto scope must be one of {VETO_SCOPES}, got {scope!r}")
-    if not threshold > 0:
-        raise ValueError(f"veto threshold must be > 0, got {threshold}")
-    if scope == "prefix" and not (prefix_bound is not None and prefix_bound > 0):
-        raise ValueError(f"veto scope 'prefix' needs a prefix bound > 0, got {prefix_bound}")
+    check_veto(threshold, scope, prefix_bound)
     response_bt = response_mask.bool()
     if scope == "none":
         return response_bt.clone()
@@ -153,18 +160,21 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
     raise ValueError(f"KL estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
-def sequence_weights(response_mask: torch.Tensor, agg: str) -> torch.Tensor:
+def sequence_weights(response_mask: torch.Tensor, agg: str,
+                     lengths: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, 1]``: what each response's token losses are multiplied by before they are summed and
     divided by ``loss_denominator``: 1 for ``token-mean``, ``seq-mean-token-sum`` and
     ``seq-mean-token-sum-norm``, 1 / (the response's token count) for ``seq-mean-token-mean``.
     A response's count is its response tokens before the veto (the mask the engine gave), as
-    verl's ``loss_mask``; a response with none weighs 0."""
+    verl's ``loss_mask``; a response with none weighs 0. ``lengths`` ``[B, 1]``: the counts,
+    where the rows are split and ``response_mask`` holds only some of their columns."""
     if agg not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {agg!r}")
     if agg != "seq-mean-token-mean":
         return torch.ones((response_mask.shape[0], 1), dtype=torch.float64,
                           device=response_mask.device)
-    lengths = response_mask.sum(dim=1, keepdim=True).to(torch.float64)
+    if lengths is None:
+        lengths = response_mask.sum(dim=1, keepdim=True).to(torch.float64)
     return torch.where(lengths > 0, 1.0 / torch.clamp(lengths, min=1.0), torch.zeros_like(lengths))
 
 
@@ -209,6 +219,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     ref_logp: torch.Tensor | None = None,
+    split: chunked.SequenceSplit | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped importance-sampled policy loss against stored behaviour log-probs, with the veto,
     and the optional KL and entropy terms.
@@ -242,6 +253,12 @@ def policy_loss(
     ``ess_capped_sq_mean_i`` over ``num_ess_tokens``), from which ``ess_fractions`` gives the
     update's effective sample size under each candidate clip.
 
+    ``split`` (context parallelism): the tensors are this rank's columns of the rows, the rest
+    on the other ranks of the split; the veto's first trigger, a response's token count
+    (``seq-mean-token-mean``) and the per-response metrics are taken over the whole rows
+    (``chunked``), so the ranks' losses and metrics add up to the whole rows' (the metrics of
+    whole responses counted on the split's first rank).
+
     Metrics (0-dim detached float tensors): the means listed below over this call's tokens, and the
     ``num_*`` counts they were taken over, so that callers can combine microbatches exactly; and
     the loss's parts (``pg_loss``, ``kl_loss``, ``entropy_loss``: each already divided by the
@@ -257,6 +274,10 @@ def policy_loss(
 
     if veto_threshold is None:
         keep_bt = response_bt
+    elif split is not None and veto_scope != "none":
+        check_veto(veto_threshold, veto_scope, veto_prefix_bound)
+        keep_bt = chunked.veto_mask_split(log_ratio_bt.detach(), adv_b1 < 0, response_bt,
+                                          veto_threshold, veto_scope, veto_prefix_bound, split)
     else:
         keep_bt = veto_mask(log_ratio_bt.detach(), adv_b1.squeeze(1), response_bt, veto_threshold,
                             veto_scope, veto_prefix_bound)
@@ -281,7 +302,9 @@ def policy_loss(
 
     denom = loss_denominator(loss_agg, count(num_tokens, num_local),
                              count(num_sequences, response_bt.any(dim=1).sum()), loss_agg_norm)
-    weight_b1 = sequence_weights(response_bt, loss_agg).to(logp.dtype)
+    weight_b1 = sequence_weights(response_bt, loss_agg, None if split is None or loss_agg !=
+                                 "seq-mean-token-mean" else chunked.row_counts(response_bt, split)
+                                 ).to(logp.dtype)
     zero = torch.zeros_like(surrogate_bt)
 
     def aggregated(per_token: torch.Tensor) -> torch.Tensor:
@@ -315,8 +338,12 @@ def policy_loss(
         num_kept = keep_bt.sum()
         num_neg = neg_bt.sum()
         num_neg_kept = neg_kept_bt.sum()
-        num_neg_responses = (neg_bt.any(dim=1)).sum()
-        vetoed_responses = (neg_bt & ~keep_bt).any(dim=1).sum()
+        neg_b, vetoed_b = neg_bt.any(dim=1), (neg_bt & ~keep_bt).any(dim=1)
+        if split is not None:  # whole responses: over the split, counted on its first rank
+            both = chunked.row_any(torch.stack([neg_b, vetoed_b]), split)
+            neg_b, vetoed_b = both & (split.cp_rank == 0)
+        num_neg_responses = neg_b.sum()
+        vetoed_responses = vetoed_b.sum()
         metrics = {
             "clip_frac": _safe_div(clipped_bt.sum(), num_kept),
             "clip_frac_low": _safe_div(clipped_low_bt.sum(), num_kept),

@@ -74,6 +74,7 @@ def test_yaml_and_overrides(tmp_path):
      r"model\.router_aux_loss_coeff: model\.router_load_balancing is 'none': set both"),
     ("model.router_load_balancing=aux_loss", r"model\.router_aux_loss_coeff: .*'aux_loss'"),
     ("model.router_dtype=bf16", r"model\.router_dtype: must be one of \['fp32', 'fp64'\]"),
+    ("parallel.context=0", r"parallel\.context: must be > 0"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ValueError, match=message):
@@ -176,3 +177,33 @@ def test_router_settings_need_a_mixture_of_experts():
             check_model(dense, ModelConfig(**sets), ParallelConfig())
     with pytest.raises(ValueError, match=r"model\.freeze_router: a frozen router has no load"):
         ModelConfig(freeze_router=True, router_load_balancing="aux_loss", router_aux_loss_coeff=0.1)
+
+
+def test_context_parallel_layouts():
+    """world = TP x PP x CP x DP; what CP does not do yet is refused by key before anything
+    starts (pipeline stages, explicit packing, a mixture of experts); 'auto' pads under CP."""
+    from mugrpo_megatron.layout import check_layout, check_model
+    from mugrpo_megatron.layout.shapes import pack_capacity, token_multiple
+    from mugrpo_megatron.models.hf_config import model_spec_from_dict
+
+    cfg = load_config(None, ["parallel.tensor=2", "parallel.context=2",
+                             "parallel.sequence_parallel=true", "algo.samples_per_update=64"])
+    assert check_layout(cfg, 16).data_parallel == 4
+    with pytest.raises(ValueError, match=r"world size 10 is not divisible by parallel\.tensor x "
+                                         r"parallel\.pipeline x parallel\.context = 2 x 1 x 2"):
+        check_layout(cfg, 10)
+    # a row cuts into 2 x CP chunks, each rank's two a multiple of TP (sequence parallel)
+    assert token_multiple(cfg.model, cfg.parallel) == 8
+    assert pack_capacity(cfg.parallel, 4096, thd=True, multiple=8) == 0
+    for sets, match in ((["parallel.context=2", "parallel.pipeline=2"],
+                         r"parallel\.context: context parallelism with parallel\.pipeline"),
+                        (["parallel.context=2", "parallel.pack_tokens=64"],
+                         r"parallel\.context: packing under context parallelism")):
+        with pytest.raises(ValueError, match=match):
+            load_config(None, sets)
+    moe = model_spec_from_dict({"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2,
+                                "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                                "vocab_size": 100, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 16})
+    with pytest.raises(ValueError, match=r"parallel\.context: context parallelism for a mixture"):
+        check_model(moe, cfg.model, cfg.parallel)

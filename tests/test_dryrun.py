@@ -264,3 +264,22 @@ def test_the_engine_share_the_dry_run_names_is_the_largest_that_fits():
     text = dry_run(cfg, 64, ROOT / "configs" / "models" / "llama-3.1-70b-instruct.json",
                    gpus_per_node=8)
     assert f"generate {e['engine_share_max']['generate']:.2f}" in text
+
+
+def test_context_parallel_in_the_dry_run():
+    """Under CP a rank holds 2 of a row's 2 x CP chunks: its activations and logits are the
+    row's share, its optimizer state is sharded over DP x CP (megatron's dp_cp group), and TE's
+    K/V ring adds two buffers of a rank's K and V (forward and backward)."""
+    path = ROOT / "configs" / "qwen2.5-math-7b_8xh100.yaml"
+    spec = read_model_spec(ROOT / "configs" / "models" / "qwen2.5-math-7b.json")
+    sets = ["parallel.pipeline=1", "parallel.tensor=2", "parallel.sequence_parallel=true",
+            "parallel.pack_tokens=0", "rollout.max_new_tokens=16384"]
+    one = estimate(load_config(path, sets), spec, 4, ranks_per_node=8)
+    cfg = load_config(path, [*sets, "parallel.context=2"])
+    two = estimate(cfg, spec, 2, ranks_per_node=8)
+    assert two["activations"] == pytest.approx(one["activations"] / 2)
+    assert two["logits"] == pytest.approx(one["logits"] / 2)
+    assert two["optimizer"] == pytest.approx(one["optimizer"])  # DP 4 = DP 2 x CP 2
+    tokens = cfg.parallel.micro_batch_size * cfg.max_sequence_tokens / 2
+    assert two["cp_ring"] == 4 * 2 * tokens * spec.num_kv_heads / 2 * spec.head_dim * 2
+    assert one["cp_ring"] == 0

@@ -53,6 +53,11 @@ LAYOUTS = {
     "ep2_distopt": (2, ["parallel.expert=2"]),
     "ep2_distopt_packed": (2, ["parallel.expert=2", "parallel.pack_tokens=40"]),
     "tp2pp2_sp": (4, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true"]),
+    # context parallel: each sequence in 4 chunks, rank r holding chunks r and 3 - r; the
+    # veto's first trigger, the per-response counts and the log-probs assembled across ranks
+    "cp2": (2, ["parallel.context=2"]),
+    "tp2_sp_cp2": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                       "parallel.context=2"]),
     # activation recomputation: the same gradients from recomputed activations
     "pp2_recompute_full": (2, ["parallel.pipeline=2", "model.recompute=full"]),
     "tp2_sp_recompute_selective": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true",
@@ -75,8 +80,8 @@ TIMEOUT_MINUTES = 180.0  # parallel.timeout_minutes' default
 
 
 def layouts_for(family: str) -> list[str]:
-    if family == "qwen3_yarn":  # YaRN's rotation of each rank's sequence-parallel share
-        return ["tp2_sp"]
+    if family == "qwen3_yarn":  # YaRN's rotation of each rank's sequence-parallel share, and
+        return ["tp2_sp", "cp2"]  # of each context-parallel rank's two chunks
     if family in MOE:  # megatron-core needs sequence parallel for MoE with TP > 1
         return ["ep2_distopt", "ep2_distopt_packed", "tp2_sp", "pp2"]
     return [name for name in LAYOUTS if not name.startswith("ep")
@@ -284,7 +289,8 @@ def test_layout_matches_tp1(workdir, family, layout):
     assert set(got["weights"]) == set(ref["weights"])
     for name, w in ref["weights"].items():
         assert (got["weights"][name] - w).abs().max() < 1e-5, name
-    if "distopt" not in layout:  # with the distributed optimizer main_grad holds reduce-scattered shards
+    # with the distributed optimizer over DP (x CP) ranks main_grad holds reduce-scattered shards
+    if "distopt" not in layout and "cp" not in layout:
         for name, g in ref["grads"].items():
             assert torch.allclose(got["grads"][name], g, atol=1e-6, rtol=1e-4), name
 

@@ -77,6 +77,14 @@ class ParallelConfig(Section):
     """Model chunks per pipeline stage (interleaved schedule); None for no virtual pipeline."""
     expert: int = 1
     """Expert-parallel size (MoE models only)."""
+    context: int = 1
+    """Context-parallel size: every sequence of a microbatch is cut into 2 x this many chunks
+    and rank r of the group keeps chunks r and 2 x context - 1 - r (causal attention's work
+    balanced), its attention reading the other ranks' keys and values (megatron-core's CP
+    groups; verl ``context_parallel_size``, slime ``--context-parallel-size``, NeMo-RL
+    ``megatron_cfg.context_parallel_size``). world = tensor x pipeline x context x DP. The
+    veto's first trigger, per-response counts and log-probs are assembled across the group.
+    Not yet with pipeline parallelism, packing or a mixture of experts."""
     sequence_parallel: bool = False
     """Shard layer-norm and dropout activations along the sequence over the TP group (needs TP > 1)."""
     distributed_optimizer: bool = True
@@ -113,7 +121,14 @@ class ParallelConfig(Section):
     a GPU; 'always' also on CPU (useful only to test it)."""
 
     def __post_init__(self) -> None:
-        self._positive("tensor", "pipeline", "expert", "micro_batch_size", "timeout_minutes")
+        self._positive("tensor", "pipeline", "expert", "context", "micro_batch_size",
+                       "timeout_minutes")
+        if self.context > 1 and self.pipeline > 1:
+            self._fail("context", "context parallelism with parallel.pipeline > 1 is not "
+                       "implemented yet; use parallel.pipeline: 1")
+        if self.context > 1 and self.pack_tokens not in ("auto", 0):
+            self._fail("context", "packing under context parallelism (THD chunks a sequence) is "
+                       "not implemented yet; set parallel.pack_tokens: 0 (auto pads under CP)")
         if self.virtual_pipeline is not None:
             if self.virtual_pipeline < 2:
                 self._fail("virtual_pipeline", "must be >= 2 or null")
@@ -127,11 +142,12 @@ class ParallelConfig(Section):
 
     def data_parallel(self, world_size: int) -> int:
         """The data-parallel size for ``world_size`` processes; ValueError if it does not divide."""
-        model_parallel = self.tensor * self.pipeline
+        model_parallel = self.tensor * self.pipeline * self.context
         if world_size < 1 or world_size % model_parallel:
             raise ValueError(
                 f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline "
-                f"= {self.tensor} x {self.pipeline} = {model_parallel}"
+                f"x parallel.context = {self.tensor} x {self.pipeline} x {self.context} = "
+                f"{model_parallel}"
             )
         dp = world_size // model_parallel
         if dp % self.expert:

@@ -53,6 +53,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"{spec.num_layers} layers, vocab {spec.vocab_size} (padded {spec.padded_vocab_size(p.tensor)})",
         f"layout: world {world_size} = TP {p.tensor} x PP {p.pipeline}"
         + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else "")
+        + (f" x CP {p.context}" if p.context > 1 else "")
         + f" x DP {e['dp']}; sequence parallel {p.sequence_parallel}; distributed optimizer "
           f"{p.distributed_optimizer}; {layout.placement.describe()}",
         f"schedule: {describe_schedule(cfg)}; microbatches: {microbatch_tokens(cfg)[1]}",
@@ -63,7 +64,9 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"  parameters      {g(e['params'])}  ({e['parameters_per_gpu'] / 1e9:.2f}B on the largest stage)",
         f"  gradients       {g(e['grads'])}  (fp32)",
         f"  optimizer       {g(e['optimizer'])}",
-        f"  activations     {g(e['activations'])}",
+        f"  activations     {g(e['activations'])}"
+        + (f"  (a CP rank's share; TE's K/V ring {g(e['cp_ring']).strip()} more)"
+           if p.context > 1 else ""),
         f"  logits          {g(e['logits'])}  (fp32, worked on in place, beside the output "
         f"layer's)",
         f"  CUDA context    {g(e['cuda_context'])}",

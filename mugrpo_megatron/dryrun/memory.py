@@ -122,8 +122,23 @@ def microbatch_tokens(cfg: Config) -> tuple[int, str]:
                            multiple=token_multiple(cfg.model, p))
     if packed:
         return packed, f"packed rows of {packed} tokens (THD through Transformer Engine)"
-    return p.micro_batch_size * cfg.max_sequence_tokens, \
-        f"{p.micro_batch_size} row(s) padded to the rank's longest (up to {cfg.max_sequence_tokens})"
+    cp = f", each CP rank holding 2 of its {2 * p.context} chunks" if p.context > 1 else ""
+    return p.micro_batch_size * cfg.max_sequence_tokens // p.context, \
+        f"{p.micro_batch_size} row(s) padded to the rank's longest (up to " \
+        f"{cfg.max_sequence_tokens}){cp}"
+
+
+def cp_ring_bytes(cfg: Config, spec: ModelSpec) -> float:
+    """Transformer Engine's context-parallel attention (``cp_comm_type`` p2p) passes K and V
+    around the CP ring a chunk pair at a time, receiving the next while it attends to the one
+    in hand: two receive buffers of a CP rank's K and V, in the model dtype, for the layer
+    running (the backward passes the gradients of K and V around likewise)."""
+    p = cfg.parallel
+    if p.context == 1:
+        return 0.0
+    tokens = microbatch_tokens(cfg)[0]
+    kv = 2 * tokens * spec.num_kv_heads / p.tensor * spec.head_dim * BYTES[cfg.model.dtype]
+    return 2 * kv * 2  # two buffers; forward's K, V and backward's dK, dV at the peak
 
 
 def full_layer_bytes(cfg: Config, spec: ModelSpec, tokens: int) -> float:
@@ -282,8 +297,9 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     grads_b = stage_params * 4
     opt_per_param = 12 if w < 4 else 8
     # the distributed optimizer shards the experts' state over the expert-data-parallel group
-    # (dp / ep ranks hold the same experts), the rest over all dp ranks
-    shard_dense, shard_expert = (dp, dp // p.expert) if p.distributed_optimizer else (1, 1)
+    # (dp / ep ranks hold the same experts), the rest over all dp (x cp: megatron's dp_cp group)
+    shard_dense, shard_expert = (dp * p.context, dp // p.expert) if p.distributed_optimizer \
+        else (1, 1)
     optim_b = opt_per_param * (dense_params / shard_dense + expert_params / shard_expert)
     state = params_b + grads_b + optim_b
 
@@ -331,7 +347,7 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
         "reference": {**held, "learner": params_b if offloaded else state,
                       "reference forward": forward, "engine asleep": engine_asleep},
         "optimize": {**held, "learner": state, "activations": act, "logits": logits,
-                     "engine asleep": engine_asleep},
+                     "CP ring": cp_ring_bytes(cfg, spec), "engine asleep": engine_asleep},
         "save": {**held, "learner": state, "engine asleep": engine_asleep},
     }
     if not reference:
@@ -361,12 +377,13 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     share_max = {n: (gpu_gib * GIB - margin - v) / (gpu_gib * GIB) for n, v in others.items()}
     kv_at_max = max(0.0, min(share_max.values()) * gpu_gib * GIB - engine_weights)
     phase_tokens = cfg.algo.prompts_per_phase * r.group_size * cfg.max_sequence_tokens
-    world = dp * p.tensor * p.pipeline
+    world = dp * p.tensor * p.pipeline * p.context
     return {
         "dp": dp, "gpu_gib": gpu_gib, "parameters_total": total,
         "parameters_per_gpu": stage_params, "params": params_b, "grads": grads_b,
         "optimizer": optim_b, "learner_state": state, "learner_at_sync": learner_at_sync,
         "activations": act, "logits": logits, "learner": state + act + logits,
+        "cp_ring": cp_ring_bytes(cfg, spec),
         "cuda_context": CUDA_CONTEXT, "nccl": nccl, "communicators": comms, "fp8_cache": fp8_cache,
         "engine_weights": engine_weights, "kv_cache": kv, "kv_tokens": kv / kv_per_token,
         "engine_share_max": share_max,

@@ -86,6 +86,9 @@ def check_model(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -
             if value != default:
                 raise ValueError(f"model.{key}: {value!r} needs a mixture-of-experts model; "
                                  f"{spec.architecture} is dense")
+    if spec.is_moe and parallel.context > 1:
+        raise ValueError("parallel.context: context parallelism for a mixture of experts is not "
+                         "implemented yet; use parallel.context: 1")
     if spec.is_moe and parallel.tensor > 1 and not parallel.sequence_parallel:
         raise ValueError("parallel.sequence_parallel: megatron-core needs it for a "
                          "mixture-of-experts model with parallel.tensor > 1")

@@ -51,7 +51,9 @@ def token_multiple(model: ModelConfig, parallel: ParallelConfig) -> int:
     row splits evenly over the TP ranks."""
     per_rank = parallel.pad_tokens_to or (
         RECIPE_TOKEN_MULTIPLE[model.fp8_recipe] if model.fp8_format is not None else 1)
-    return per_rank * parallel.tensor if parallel.sequence_parallel else per_rank
+    per_rank = per_rank * parallel.tensor if parallel.sequence_parallel else per_rank
+    # context parallel: the row is cut into 2 x context chunks, each rank's two a whole share
+    return per_rank * 2 * parallel.context if parallel.context > 1 else per_rank
 
 
 def pack_capacity(parallel: ParallelConfig, max_sequence_tokens: int, thd: bool,
@@ -62,8 +64,9 @@ def pack_capacity(parallel: ParallelConfig, max_sequence_tokens: int, thd: bool,
     the most a padded microbatch could hold, and pads without TE; rounded up to ``multiple``
     (FP8, sequence parallel)."""
     tokens = parallel.pack_tokens
-    if tokens == "auto":
-        tokens = parallel.micro_batch_size * max_sequence_tokens if thd else 0
+    if tokens == "auto":  # no packing under context parallelism yet
+        tokens = parallel.micro_batch_size * max_sequence_tokens if thd and parallel.context == 1 \
+            else 0
     return round_up(tokens, multiple) if tokens else 0
 
 

@@ -12,26 +12,24 @@ letting a patch go silently inert.
 
    - ``torch.cuda.current_device()`` (rotary embeddings, TP layers, p2p shape tensors, DDP
      buffers, distributed optimizer) -> the CPU device.
-   - ``torch.cuda.synchronize()`` (``pipeline_parallel/p2p_communication.py``) -> no-op; gloo ops
-     are synchronous.
-   - ``torch.cuda.current_stream()`` (``distributed/param_and_grad_buffer.py``
-     ``start_grad_sync``, from 0.19: it waits on CUDA-graph events, none on CPU) -> a stream whose
-     waits do nothing. Applied from 0.19 on.
+   - ``torch.cuda.synchronize()`` (``p2p_communication.py``) -> no-op; gloo ops are synchronous.
+   - ``torch.cuda.current_stream()`` (``param_and_grad_buffer.py`` ``start_grad_sync``, from
+     0.19: it waits on CUDA-graph events, none on CPU) -> a stream whose waits do nothing.
    - ``torch.cuda.get_rng_state()`` / ``torch.cuda.manual_seed()`` and
      ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
      (``CudaRNGStatesTracker.add``, ``model_parallel_cuda_manual_seed``) -> the CPU generator, so
      the model-parallel RNG tracker forks and restores CPU states instead.
    - ``device="cuda"`` / ``device=<int>`` in tensor factories (``schedules.py`` token counts,
      ``optimizer.py`` found-inf and scale buffers, ``clip_grads.py`` norms) -> ``device="cpu"``,
-     by a ``TorchFunctionMode`` active only inside the context.
+     and ``pin_memory=True`` (``rope_utils.get_pos_emb_on_this_cp_rank``, context parallel) ->
+     not pinned, by a ``TorchFunctionMode`` active only inside the context.
    - ``Tensor.cuda()`` (optimizer state reload) -> the tensor itself.
    - ``tensor_parallel.random.CheckpointFunction.backward`` (activation recomputation,
      ``model.recompute`` full or selective) -> the same, with the stand-in below active: the
      autograd engine runs backward functions without the Python modes of the forward pass, and
      the recomputed forward makes tensors on ``device="cuda"`` (the causal mask).
-   - ``Tensor.type()`` compared with ``'torch.cuda.FloatTensor'`` and friends
-     (``optimizer/distrib_optimizer.py``, ``optimizer/optimizer.py``, ``clip_grads.py``) -> the
-     CUDA spelling of the CPU tensor's type.
+   - ``Tensor.type()`` compared with ``'torch.cuda.FloatTensor'`` (``distrib_optimizer.py``,
+     ``optimizer.py``, ``clip_grads.py``) -> the CUDA spelling of the CPU tensor's type.
 
 2. **MoE router GEMM without TE** (``define_missing_te_gemm``): 0.16.1's fp32 router GEMM
    (``moe_utils.router_gating_linear``) tests ``te_general_gemm is not None`` to choose TE's GEMM
@@ -170,6 +168,8 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

@@ -37,6 +37,7 @@ from megatron.core.transformer.module import Float16Module
 from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config, ModelConfig, OptimConfig, ParallelConfig
 from mugrpo_megatron.layout import pack_capacity, round_up, token_multiple
+from mugrpo_megatron.learner.context import split_for
 from mugrpo_megatron.learner.logits import policy_logits, vocab_parallel_entropy
 from mugrpo_megatron.learner.microbatch import (
     MicroBatch,
@@ -44,6 +45,7 @@ from mugrpo_megatron.learner.microbatch import (
     next_aligned,
     per_sequence,
     right_padded,
+    split_columns,
 )
 from mugrpo_megatron.learner.model import (
     DTYPES,
@@ -215,10 +217,12 @@ class Learner:
         if with_ref and batch.ref_logp is None:
             raise ValueError("algo.kl_target: reference needs the batch's reference log-probs")
         mine = slice(0, batch.size) if dp_local else self.dp_rows(batch.size)
-        return build_microbatches(
+        out = build_microbatches(
             batch, mine, micro_batch_size=self.parallel.micro_batch_size,
             capacity=self.pack_capacity if capacity is None else capacity, train=train,
             with_ref=with_ref, equal_count=self._equal_count)
+        split = split_for(batch.tokens.shape[1])  # context parallel: this rank's chunks
+        return out if split is None else [split_columns(mb, split) for mb in out]
 
     def _equal_count(self, count: int) -> int:
         """The most microbatches any rank of this data-parallel group packed (``count`` here):
@@ -294,7 +298,8 @@ class Learner:
         def loss_fn(mb: MicroBatch, output: torch.Tensor):
             logp, entropy = self.token_logprobs(output, mb.labels.to(output.device), with_entropy)
             # kept on the device: the rows are gathered and read back once (``_gather_rows``)
-            out = {"logp": per_sequence(mb, logp), "rows": mb.rows}
+            out = {"logp": per_sequence(mb, logp), "rows": mb.rows,
+                   "positions": None if mb.split is None else mb.split.positions}
             if with_entropy:
                 out["entropy"] = per_sequence(mb, entropy)
             return output.new_zeros(()), out
@@ -338,6 +343,11 @@ class Learner:
             for r in results:
                 if isinstance(r["rows"], torch.Tensor) and not r["rows"].numel():
                     continue  # a filler microbatch (expert parallelism): no row of the batch
+                if r.get("positions") is not None:  # context parallel: this rank's columns
+                    nxt = torch.zeros_like(full[r["rows"]])
+                    nxt[:, r["positions"].to(nxt.device)] = r[key].float()
+                    full[r["rows"], 1:] = nxt[:, :-1]
+                    continue
                 width = r[key].shape[1]
                 full[r["rows"], 1:width] = r[key][:, :-1].float()
         dist.all_reduce(full)
@@ -363,7 +373,10 @@ class Learner:
         batch = self._fit_sequence(batch)
         microbatches = self._microbatches(batch, train=True, dp_local=dp_local)
         # megatron divides each microbatch loss by their number and DDP averages over DP ranks;
-        # undo both so the gradient is that of the whole minibatch's loss.
+        # undo both so the gradient is that of the whole minibatch's loss. Under context
+        # parallelism DDP averages over DP x CP, and megatron's schedule first multiplies a
+        # loss of a two-output loss function by the CP size (``schedules.forward_step``, 0.16.1
+        # and 0.19.2), so the CP ranks' losses, each its columns' share, add up as they should.
         scale = len(microbatches) * self.layout.dp_size
 
         def loss_fn(mb: MicroBatch, output: torch.Tensor):
@@ -375,7 +388,7 @@ class Learner:
             loss, metrics = self.loss(
                 per_sequence(mb, logp), behav, mb.advantages.to(device), mb.loss_mask.to(device),
                 num_tokens=counts[0], num_sequences=counts[1], entropy=per_sequence(mb, entropy),
-                ref_logp=ref.to(device) if ref is not None else None, **clip)
+                ref_logp=ref.to(device) if ref is not None else None, split=mb.split, **clip)
             metrics["loss"] = loss.detach().float()
             return loss * scale, metrics
 

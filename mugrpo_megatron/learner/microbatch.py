@@ -10,6 +10,7 @@ from functools import partial
 
 import torch
 
+from mugrpo_megatron.chunked import SequenceSplit
 from mugrpo_megatron.learner.packing import PackedRow, pack_row, plan_bins, sequence_lengths
 from mugrpo_megatron.types import TokenBatch, TrainBatch
 
@@ -30,6 +31,17 @@ class MicroBatch:
     ref_logp: torch.Tensor | None = None  # [b, L]: a reference policy's (algo.kl_target)
     advantages: torch.Tensor | None = None  # [b]
     packed: PackedRow | None = None
+    split: SequenceSplit | None = None  # context parallel: these are this rank's columns
+
+
+def split_columns(mb: MicroBatch, split: SequenceSplit) -> MicroBatch:
+    """This context-parallel rank's columns of a padded microbatch: every per-token tensor cut
+    alike (``learner.context.ChunkSplit``), the labels and masks next-aligned before the cut."""
+    take = split.take  # type: ignore[attr-defined]
+    cut = {name: take(getattr(mb, name)) for name in ("tokens", "position_ids", "labels",
+                                                       "loss_mask", "behav_logp", "ref_logp")
+           if getattr(mb, name) is not None}
+    return replace(mb, **cut, split=split)
 
 
 def next_aligned(x: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,8 @@ class Layout:
     tp_rank: int
     dp_size: int
     dp_rank: int
+    cp_size: int = 1
+    cp_rank: int = 0
 
 
 def init_parallel(parallel: ParallelConfig, seed: int) -> Layout:
@@ -79,12 +81,15 @@ def init_parallel(parallel: ParallelConfig, seed: int) -> Layout:
                 pipeline_model_parallel_size=parallel.pipeline,
                 virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
                 expert_model_parallel_size=parallel.expert,
+                context_parallel_size=parallel.context,
                 distributed_timeout_minutes=parallel.timeout_minutes,
             )
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return Layout(tp_size=mpu.get_tensor_model_parallel_world_size(),
                   tp_rank=mpu.get_tensor_model_parallel_rank(),
-                  dp_size=dp, dp_rank=mpu.get_data_parallel_rank())
+                  dp_size=dp, dp_rank=mpu.get_data_parallel_rank(),
+                  cp_size=mpu.get_context_parallel_world_size(),
+                  cp_rank=mpu.get_context_parallel_rank())
 
 
 def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig
@@ -106,6 +111,7 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         sequence_parallel=parallel.sequence_parallel, expert_model_parallel_size=parallel.expert,
+        context_parallel_size=parallel.context,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=not torch.cuda.is_available(),
         # True even though the checkpoint overwrites the values: megatron only tags TP-sharded
@@ -255,6 +261,10 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | 
                          "importable here")
     local = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
                                      qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    if config is not None and config.context_parallel_size > 1:  # megatron's own refuses CP
+        from mugrpo_megatron.learner.context import ContextParallelAttention
+
+        local.submodules.self_attention.submodules.core_attention = ContextParallelAttention
     if config is None or not config.sequence_parallel:
         return local
     norm = ModuleSpec(module=SequenceParallelRMSNorm)
