@@ -17,7 +17,7 @@ COMMON = ["parallel.micro_batch_size=2", "algo.samples_per_update=8", "algo.tota
           "algo.updates_per_phase=4", "optim.lr=0.1", "optim.adam_eps=1.0", "optim.grad_clip=1.0",
           "optim.warmup_updates=2"]
 LAYOUTS = {"tp1": (1, []), "tp2": (2, ["parallel.tensor=2"]), "pp2": (2, ["parallel.pipeline=2"]),
-           "dp2": (2, [])}
+           "dp2": (2, []), "cp2": (2, ["parallel.context=2"])}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_optimizer_state_survives_a_layout_change_bit_for_bit(setup):
     assert {k.split(".")[2] for k in optim} == {"fp32_param", "exp_avg", "exp_avg_sq"}
     assert all(v.abs().sum() > 0 for k, v in optim.items() if ".exp_avg" in k)  # two real steps
     assert {g["step"] for g in ref_groups} == {2}
-    for layout in ("tp1", "pp2", "dp2"):
+    for layout in ("tp1", "pp2", "dp2", "cp2"):
         nproc, overrides = LAYOUTS[layout]
         out = d / f"resaved_{layout}"
         torchrun(nproc, WORKER, "resave", str(setup[1]), str(d / "batch.safetensors"),
@@ -86,12 +86,25 @@ def test_optimizer_state_survives_a_layout_change_bit_for_bit(setup):
 @pytest.mark.parametrize("steps", [2, 0])
 def test_resume_in_another_layout(setup, steps):
     ref_w, ref = saved_in_tp2(setup, steps)
-    for layout in ("tp1", "pp2", "dp2"):
+    for layout in ("tp1", "pp2", "dp2", "cp2"):
         got_w, got = run(setup, "resume", layout, f"resumed_{steps}_{layout}", steps, f"ckpt_{steps}")
         assert got["losses"][-1] == pytest.approx(ref["losses"][-1], abs=1e-6), layout
         assert got["lr"] == pytest.approx(ref["lr"]), layout  # the LR schedule resumed too
         for name, w in ref_w.items():
             assert torch.allclose(got_w[name], w, atol=1e-5), (layout, name)
+
+
+def test_a_checkpoint_saved_at_cp2_resumes_at_cp1(setup):
+    """Saved with each sequence split over two context-parallel ranks (the distributed
+    optimizer sharded over DP x CP) after 2 updates, resumed in one rank: the next update's
+    loss, the LR and the weights are the TP2-saved run's (the reverse, TP2 into CP2, is above)."""
+    ref_w, ref = saved_in_tp2(setup, 2)
+    run(setup, "save", "cp2", "saved_cp2", 2, "ckpt_cp2")
+    got_w, got = run(setup, "resume", "tp1", "resumed_cp2_tp1", 2, "ckpt_cp2")
+    assert got["losses"][-1] == pytest.approx(ref["losses"][-1], abs=1e-6)
+    assert got["lr"] == pytest.approx(ref["lr"])
+    for name, w in ref_w.items():
+        assert torch.allclose(got_w[name], w, atol=1e-5), name
 
 
 def test_each_rank_writes_only_its_own_optimizer_shard(setup):
