@@ -58,6 +58,7 @@ LAYOUTS = {
     "cp2": (2, ["parallel.context=2"]),
     "tp2_sp_cp2": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true",
                        "parallel.context=2"]),
+    "pp2_cp2": (4, ["parallel.pipeline=2", "parallel.context=2"]),
     # activation recomputation: the same gradients from recomputed activations
     "pp2_recompute_full": (2, ["parallel.pipeline=2", "model.recompute=full"]),
     "tp2_sp_recompute_selective": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true",

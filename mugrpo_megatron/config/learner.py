@@ -84,7 +84,7 @@ class ParallelConfig(Section):
     groups; verl ``context_parallel_size``, slime ``--context-parallel-size``, NeMo-RL
     ``megatron_cfg.context_parallel_size``). world = tensor x pipeline x context x DP. The
     veto's first trigger, per-response counts and log-probs are assembled across the group.
-    Not yet with pipeline parallelism, packing or a mixture of experts."""
+    Not yet with packing or a mixture of experts."""
     sequence_parallel: bool = False
     """Shard layer-norm and dropout activations along the sequence over the TP group (needs TP > 1)."""
     distributed_optimizer: bool = True
@@ -123,9 +123,6 @@ class ParallelConfig(Section):
     def __post_init__(self) -> None:
         self._positive("tensor", "pipeline", "expert", "context", "micro_batch_size",
                        "timeout_minutes")
-        if self.context > 1 and self.pipeline > 1:
-            self._fail("context", "context parallelism with parallel.pipeline > 1 is not "
-                       "implemented yet; use parallel.pipeline: 1")
         if self.context > 1 and self.pack_tokens not in ("auto", 0):
             self._fail("context", "packing under context parallelism (THD chunks a sequence) is "
                        "not implemented yet; set parallel.pack_tokens: 0 (auto pads under CP)")

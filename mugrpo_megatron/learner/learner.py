@@ -262,7 +262,8 @@ class Learner:
 
         n_chunks = len(self.model)
         iterators = [iter(microbatches) for _ in range(n_chunks)]
-        seq = microbatches[0].tokens.shape[1]
+        # the whole row's length: megatron's pipeline shapes divide it by the CP size
+        seq = microbatches[0].tokens.shape[1] * self.layout.cp_size
         with megatron_on_cpu():
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
