@@ -181,16 +181,18 @@ def communicators(cfg: Config, dp: int) -> dict[str, int]:
     context-parallel twin (megatron keeps both, with the same ranks), TP x DP and its twin (FP8's
     amax reduction, the optimizer's), one over every rank of the model (megatron's gradient-norm
     group), PP and a point-to-point one with each pipeline neighbour, the embedding group, EP,
-    expert DP and expert TP x DP; the engine's world and tensor-parallel groups. Counted from
+    expert DP and expert TP x DP; the CP group (TE's K/V ring, the loss's reductions of whole
+    responses); the engine's world and tensor-parallel groups. Counted from
     what megatron-core 0.16 issues over gloo in scaled-down layouts (tests/test_collectives.py
     checks this against them)."""
     p = cfg.parallel
     fp8 = cfg.model.fp8_format is not None
-    out = {"world": 1, "tensor": int(p.tensor > 1), "data": 2 * (dp > 1),
-           "tensor x data": 2 * (dp > 1 and (p.tensor > 1 or fp8 or p.expert > 1)),
-           "model": int(dp > 1 or p.pipeline > 1),
+    dpcp = dp * p.context  # context parallel: gradients and optimizer over DP x CP, and its group
+    out = {"world": 1, "tensor": int(p.tensor > 1), "data": 2 * (dpcp > 1),
+           "tensor x data": 2 * (dpcp > 1 and (p.tensor > 1 or fp8 or p.expert > 1)),
+           "model": int(dpcp > 1 or p.pipeline > 1),
            "pipeline": 3 * (p.pipeline > 1), "embedding": int(p.pipeline > 1),
-           "expert": 3 * (p.expert > 1),
+           "expert": 3 * (p.expert > 1), "context": int(p.context > 1),
            "engine": 1 + (cfg.rollout.tensor_parallel > 1)}
     return {k: v for k, v in out.items() if v}
 
