@@ -71,7 +71,7 @@ LAYOUTS = {name: (nproc, [*overrides, PAD]) for name, (nproc, overrides) in LAYO
 # distributed optimizer, TP with sequence parallel: the entropy's vocabulary-parallel backward).
 RECIPE = ["algo.loss_agg=seq-mean-token-mean", "algo.kl_coef=0.1", "algo.kl_estimator=k3",
           "algo.entropy_coef=0.05"]
-RECIPE_LAYOUTS = {"packed", "dp2_distopt_packed", "tp2_sp"}
+RECIPE_LAYOUTS = {"packed", "dp2_distopt_packed", "tp2_sp", "cp2"}
 ROUTER = {"router_frozen": ["model.freeze_router=true"],
           "router_aux": ["model.router_load_balancing=aux_loss", "model.router_aux_loss_coeff=0.1"],
           "router_fp64": ["model.router_dtype=fp64"]}
