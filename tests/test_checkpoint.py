@@ -86,7 +86,7 @@ def test_optimizer_state_survives_a_layout_change_bit_for_bit(setup):
 @pytest.mark.parametrize("steps", [2, 0])
 def test_resume_in_another_layout(setup, steps):
     ref_w, ref = saved_in_tp2(setup, steps)
-    for layout in ("tp1", "pp2", "dp2", "cp2"):
+    for layout in ("tp1", "pp2", "dp2", *(("cp2",) if steps else ())):  # CP: once is enough
         got_w, got = run(setup, "resume", layout, f"resumed_{steps}_{layout}", steps, f"ckpt_{steps}")
         assert got["losses"][-1] == pytest.approx(ref["losses"][-1], abs=1e-6), layout
         assert got["lr"] == pytest.approx(ref["lr"]), layout  # the LR schedule resumed too
