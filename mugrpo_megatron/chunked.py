@@ -86,13 +86,20 @@ def veto_mask_split(log_ratio: torch.Tensor, negative_b1: torch.Tensor,
         return response_bt & ~(pos_bt > kappa_b1)
     trigger_bt = response_bt & negative_b1 & (log_ratio.detach() < math.log(threshold))
     kappa_b1 = first_position(trigger_bt, split)[:, None]
-    after_kappa_bt = pos_bt > kappa_b1  # strictly after the first trigger
+    # strictly after the first trigger; a row with one anywhere
+    return response_bt & ~scope_masked(scope, trigger_bt, pos_bt > kappa_b1,
+                                       kappa_b1 < NO_POSITION)
+
+
+def scope_masked(scope: str, trigger_bt: torch.Tensor, after_kappa_bt: torch.Tensor,
+                 has_trigger_b1: torch.Tensor) -> torch.Tensor:
+    """The tokens a trigger-based veto scope masks, from the triggers, the tokens strictly after
+    each row's first one and whether a row has one (``objective.veto_mask`` and
+    ``veto_mask_split`` find these their own ways)."""
     if scope == "trigger":
-        masked_bt = trigger_bt
-    elif scope == "suffix":
-        masked_bt = after_kappa_bt
-    elif scope == "suffix_no_trigger":
-        masked_bt = after_kappa_bt & ~trigger_bt
-    else:  # "sequence"
-        masked_bt = (kappa_b1 < NO_POSITION).expand_as(trigger_bt)
-    return response_bt & ~masked_bt
+        return trigger_bt
+    if scope == "suffix":
+        return after_kappa_bt
+    if scope == "suffix_no_trigger":
+        return after_kappa_bt & ~trigger_bt
+    return has_trigger_b1.expand_as(trigger_bt)  # "sequence"

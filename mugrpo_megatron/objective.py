@@ -134,15 +134,8 @@ def veto_mask(
     trigger_bt = response_bt & negative_b1 & (log_ratio.detach() < math.log(threshold))
     triggers_before_bt = torch.cumsum(trigger_bt.to(torch.int32), dim=1) - trigger_bt.to(torch.int32)
     after_kappa_bt = triggers_before_bt > 0  # strictly after the first trigger
-    if scope == "trigger":
-        masked_bt = trigger_bt
-    elif scope == "suffix":
-        masked_bt = after_kappa_bt
-    elif scope == "suffix_no_trigger":
-        masked_bt = after_kappa_bt & ~trigger_bt
-    else:  # "sequence"
-        masked_bt = trigger_bt.any(dim=1, keepdim=True).expand_as(trigger_bt)
-    return response_bt & ~masked_bt
+    return response_bt & ~chunked.scope_masked(scope, trigger_bt, after_kappa_bt,
+                                               trigger_bt.any(dim=1, keepdim=True))
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
