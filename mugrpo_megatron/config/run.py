@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 from mugrpo_megatron.config.section import Section
 
@@ -183,8 +184,12 @@ class RewardConfig(Section):
     read-only view of /usr and the interpreter, a private /tmp, the limits below, the whole
     process tree ended after each run); ``train`` tries it once before any process group and
     refuses, naming the cause, where it cannot start. 'unsafe': the same limits, no isolation,
-    said at every start. verl runs code through SandboxFusion (sandbox_fusion.url) or in
-    process with resource limits; NeMo-RL execs it with restricted builtins."""
+    said at every start. A URL (http://host:8080, or its /run_code endpoint): a SandboxFusion
+    service you run, as verl's reward_model.sandbox_fusion.url (``rewards/sandbox_fusion.py``:
+    it applies sandbox_wall_s and sandbox_memory_mb, its own isolation, one request a scoring
+    worker, so num_workers is verl's sandbox_fusion.max_concurrent); train runs a program
+    there before any process group. verl also runs code in process with resource limits;
+    NeMo-RL execs it with restricted builtins."""
     sandbox_python: str | None = None
     """The interpreter programs run with; null: this Python's own installation (not its
     virtualenv: no torch, only the standard library)."""
@@ -210,8 +215,12 @@ class RewardConfig(Section):
     def __post_init__(self) -> None:
         if not self.name:
             self._fail("name", "must be a registered name or a dotted path")
-        if self.sandbox not in ("bwrap", "unsafe"):
-            self._fail("sandbox", "must be 'bwrap' (the OS sandbox) or 'unsafe' (no isolation)")
+        url = self.sandbox.startswith(("http://", "https://"))
+        if self.sandbox not in ("bwrap", "unsafe") and not url:
+            self._fail("sandbox", "must be 'bwrap' (the OS sandbox), the http(s) URL of a "
+                                  "SandboxFusion service, or 'unsafe' (no isolation)")
+        if url and not urlsplit(self.sandbox).netloc:
+            self._fail("sandbox", "is not a URL with a host")
         self._positive("sandbox_cpu_s", "sandbox_wall_s", "sandbox_program_s",
                        "sandbox_memory_mb", "sandbox_processes", "sandbox_file_mb",
                        "sandbox_output_kb")

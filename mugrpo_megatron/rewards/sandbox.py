@@ -20,6 +20,8 @@ its own (``reward.sandbox``):
   is that user's processes now plus ``reward.sandbox_processes``.
 - ``unsafe``: the same limits on a plain child process group, no isolation at all (the program
   sees what the scorer sees); ``train`` says so at every start.
+- a URL (``http://host:port``): a SandboxFusion service the user runs (verl
+  ``sandbox_fusion.url``), ``rewards/sandbox_fusion.py``; its isolation is the service's.
 
 Limits of every run (``resource.setrlimit`` before bwrap starts, inherited): CPU seconds
 (``reward.sandbox_cpu_s``), address space (``sandbox_memory_mb``), processes, file size
@@ -44,6 +46,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from mugrpo_megatron.rewards import sandbox_fusion
+from mugrpo_megatron.rewards.sandbox_fusion import is_url
 
 OS_SANDBOX = "bwrap"
 UNSAFE = "unsafe"
@@ -103,9 +108,11 @@ def run_python(spec: SandboxSpec, files: dict[str, str], main: str, stdin: str =
     """Run ``python main args`` with ``files`` ({name: text}) in its working directory's view
     (read-only, at ``/sandbox``) and ``stdin`` as its input; its stdout back (at most
     ``spec.output_kb``)."""
+    if is_url(spec.mode):
+        return sandbox_fusion.run(spec, files, main, stdin, args)
     if spec.mode not in (OS_SANDBOX, UNSAFE):
         raise SandboxUnavailable(f"reward.sandbox: {spec.mode!r} runs nothing here: use "
-                                 f"{OS_SANDBOX!r} or {UNSAFE!r}")
+                                 f"{OS_SANDBOX!r}, {UNSAFE!r} or a SandboxFusion URL")
     host = Path(tempfile.mkdtemp(prefix="mugrpo-sandbox-"))
     try:
         code = host / "code"
@@ -133,7 +140,16 @@ def probe(spec: SandboxSpec) -> None:
         return
     choices = (f"reward.sandbox: {OS_SANDBOX} (the OS sandbox; install bubblewrap: apt install "
                f"bubblewrap, dnf install bubblewrap or conda install -c conda-forge bubblewrap), "
+               f"the URL of a SandboxFusion service you run (http://host:8080), "
                f"{UNSAFE!r} (no isolation at all: only for programs you trust)")
+    if is_url(spec.mode):
+        got = run_python(spec, {"probe.py": "print(6 * 7)\n"}, "probe.py")
+        if got.status != "ok" or got.stdout.strip() != "42":
+            raise SandboxUnavailable(
+                f"reward.sandbox: the SandboxFusion service cannot run a program "
+                f"({got.status}: {(got.detail or got.stdout).strip()[:300] or 'no output'}). "
+                f"Start it (docker run -p 8080:8080 <its image>) or choose: {choices}")
+        return
     if shutil.which(spec.bwrap) is None:
         raise SandboxUnavailable(f"reward.sandbox: the OS sandbox needs bubblewrap, and "
                                  f"{spec.bwrap!r} is not on PATH. Choose: {choices}")
