@@ -17,7 +17,10 @@ time of an update both ways for a small model.
      = 4,096 tokens, as ``Learner._packed_microbatches`` plans them (``packing.plan_bins``).
 
    Reported: learner tokens an update (summed over DP ranks), the padded fraction, and the
-   microbatches a rank runs.
+   microbatches a rank runs. Then the same packed **under context parallelism** (``--cp``):
+   each sequence starts at a multiple of 2 x CP (Transformer Engine's THD rule,
+   ``packing.thd_partition``) and rows are a multiple of 2 x CP x the row multiple, against
+   padded rows at that CP (each row a multiple of the same): the padding the rule adds.
 
 2. **CPU time of an update** (``--cpu``, on by default): the real ``Learner`` at world size 1 on a
    small Llama (hidden 256, 4 layers), a batch of 32 sequences drawn from the same distribution
@@ -45,7 +48,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import summarize, table, write_json  # noqa: E402
 
 from mugrpo_megatron.layout import round_up  # noqa: E402
-from mugrpo_megatron.learner.packing import plan_bins  # noqa: E402
+from mugrpo_megatron.learner.packing import plan_bins, slot  # noqa: E402
 
 
 def draw_lengths(rng, n: int, args, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -57,9 +60,10 @@ def draw_lengths(rng, n: int, args, scale: float = 1.0) -> tuple[np.ndarray, np.
     return prompt.astype(int), response.astype(int)
 
 
-def tokens_per_update(lengths: np.ndarray, dp: int, micro: int, multiple: int, capacity: int
-                      ) -> dict[str, float]:
-    """Learner tokens of one update of ``lengths`` (prompt + response of each row) three ways."""
+def tokens_per_update(lengths: np.ndarray, dp: int, micro: int, multiple: int, capacity: int,
+                      align: int = 1) -> dict[str, float]:
+    """Learner tokens of one update of ``lengths`` (prompt + response of each row) three ways;
+    packed sequences start at multiples of ``align`` (2 x CP)."""
     real = int(lengths.sum())
     padded = per_mb = packed = 0
     microbatches = {"padded": 0, "packed": 0}
@@ -68,7 +72,7 @@ def tokens_per_update(lengths: np.ndarray, dp: int, micro: int, multiple: int, c
         padded += longest * len(share)
         for lo in range(0, len(share), micro):
             per_mb += round_up(int(share[lo:lo + micro].max()), multiple) * len(share[lo:lo + micro])
-        bins = plan_bins(share.tolist(), capacity)
+        bins = plan_bins([slot(n, align) for n in share.tolist()], capacity)
         packed += len(bins) * capacity
         microbatches["padded"] = max(microbatches["padded"], -(-len(share) // micro))
         microbatches["packed"] = max(microbatches["packed"], len(bins))
@@ -90,6 +94,24 @@ def token_table(args) -> dict:
                  at_cap=float((r >= args.max_response).mean()), prompt_mean=float(p.mean()),
                  capacity=capacity, multiple=multiple)
     return total
+
+
+def cp_table(args) -> dict:
+    """Packed and padded tokens an update at each context-parallel size of ``--cp`` (the same
+    lengths as ``token_table``): rows a multiple of 16 x TP x 2 CP, packed sequences at
+    multiples of 2 CP."""
+    out = {}
+    for cp in args.cp:
+        rng = np.random.default_rng(args.seed)
+        multiple = 16 * args.tp * 2 * cp
+        capacity = round_up(args.micro * (args.max_prompt + args.max_response), multiple)
+        rows = [tokens_per_update(p + r, args.dp, args.micro, multiple, capacity, 2 * cp)
+                for p, r in (draw_lengths(rng, args.samples_per_update, args)
+                             for _ in range(args.updates))]
+        t = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+        t["capacity"] = capacity
+        out[cp] = t
+    return out
 
 
 def cpu_update_times(args) -> dict:
@@ -150,6 +172,8 @@ def main() -> int:
     ap.add_argument("--response-median", type=float, default=900)
     ap.add_argument("--sigma", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cp", type=int, nargs="*", default=[2, 4, 8],
+                    help="context-parallel sizes for the packed-under-CP table")
     ap.add_argument("--no-cpu", dest="cpu", action="store_false")
     ap.add_argument("--cpu-batch", type=int, default=32)
     ap.add_argument("--cpu-longest", type=int, default=512)
@@ -177,7 +201,13 @@ def main() -> int:
                 ("packed (auto on GPU)", "packed", f"{t['microbatches_packed']:.1f}"))]
     print(table(["way", "learner tokens an update", "padding", "microbatches a rank"], rows))
     print(f"packed / padded tokens = {t['packed'] / t['padded']:.2f}")
-    result = {"args": vars(args), "tokens": t}
+    cps = cp_table(args)
+    print(table(["context parallel", "packed row", "packed tokens", "padding", "padded tokens",
+                 "padding"],
+                [[f"CP{cp}", c["capacity"], f"{c['packed']:,.0f}", f"{1 - c['real'] / c['packed']:.1%}",
+                  f"{c['padded']:,.0f}", f"{1 - c['real'] / c['padded']:.1%}"]
+                 for cp, c in cps.items()]))
+    result = {"args": vars(args), "tokens": t, "context_parallel": cps}
     if args.cpu:
         c = cpu_update_times(args)
         print(table(["CPU update (h256, 4 layers, world 1)", "tokens", "seconds (median)"], [

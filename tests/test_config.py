@@ -194,9 +194,11 @@ def test_context_parallel_layouts():
         check_layout(cfg, 10)
     # a row cuts into 2 x CP chunks, each rank's two a multiple of TP (sequence parallel)
     assert token_multiple(cfg.model, cfg.parallel) == 8
-    assert pack_capacity(cfg.parallel, 4096, thd=True, multiple=8) == 0
-    with pytest.raises(ValueError, match=r"parallel\.context: packing under context parallelism"):
-        load_config(None, ["parallel.context=2", "parallel.pack_tokens=64"])
+    # packed rows under CP (TE's THD rule): auto packs where TE is, rows a multiple of the above
+    assert pack_capacity(cfg.parallel, 4095, thd=True, multiple=8) == 4096
+    assert pack_capacity(cfg.parallel, 4095, thd=False, multiple=8) == 0
+    assert load_config(None, ["parallel.context=2", "parallel.pack_tokens=2048"]).parallel \
+        .pack_tokens == 2048
     moe = model_spec_from_dict({"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2,
                                 "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
                                 "vocab_size": 100, "num_experts": 4, "num_experts_per_tok": 2,

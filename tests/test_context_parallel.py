@@ -39,7 +39,8 @@ def _worker(rank, directory):
     from helpers import gloo_world
     from megatron.core import parallel_state as mpu
 
-    from mugrpo_megatron.learner.context import ChunkSplit, split_for
+    from mugrpo_megatron.learner.context import ChunkSplit, packed_split_for, split_for
+    from mugrpo_megatron.learner.packing import NO_COLUMN, pack_row, sequence_lengths
 
     gloo_world(rank, 2, directory, minutes=5)
     mpu.initialize_model_parallel(context_parallel_size=2)
@@ -48,7 +49,26 @@ def _worker(rank, directory):
     assert split.positions.tolist() == ([0, 1, 2, 3, 12, 13, 14, 15] if rank == 0
                                         else list(range(4, 12)))
     logp, behav, adv, resp = batch()
-    ok = True
+    # packed (THD): the same rows end to end, each padded to a multiple of 4 and cut into 4
+    # chunks of its own; row 2 cut to 7 tokens (a slot of 8: chunks of 2, its trigger at 3 on
+    # rank 1 and the suffix it masks on both), the others 15 or 13 (slots of 16)
+    packed_resp = resp.clone()
+    packed_resp[2, 7:] = False
+    lengths = sequence_lengths(packed_resp)
+    assert lengths == [15, 15, 7, 15, 13]
+    packed = packed_split_for(pack_row(torch.zeros(5, SEQ, dtype=torch.long), lengths, 80, 4))
+    row2 = [0, 1, NO_COLUMN, NO_COLUMN, 6, 7, NO_COLUMN, NO_COLUMN] if rank == 0 \
+        else [2, 3, NO_COLUMN, NO_COLUMN, 4, 5, NO_COLUMN, NO_COLUMN]
+    assert packed.positions[2].tolist() == row2, packed.positions
+    ok = _same_as_whole_rows(split, split.take, logp, behav, adv, resp) \
+        and _same_as_whole_rows(packed, packed.share.take, logp, behav, adv, packed_resp)
+    dist.destroy_process_group()
+    raise SystemExit(0 if ok else 3)
+
+
+def _same_as_whole_rows(split, take, logp, behav, adv, resp) -> bool:
+    """Every veto scope and loss aggregation: this rank's columns (``take``) through the loss
+    with ``split``, added over the ranks, equal the whole rows' loss, gradient and counts."""
     for scope in VETO_SCOPES:
         for agg in LOSS_AGGREGATIONS:
             kw = dict(clip_low=1.0, clip_high=4.0, veto_threshold=1e-4, veto_scope=scope,
@@ -57,16 +77,16 @@ def _worker(rank, directory):
             whole_logp = logp.clone().requires_grad_()
             want, want_m = policy_loss(whole_logp, behav, adv, resp, **kw)
             want.backward()
-            mine = split.take(logp).clone().requires_grad_()
-            got, got_m = policy_loss(mine, split.take(behav), adv, split.take(resp), **kw,
-                                     split=split)
+            mine = take(logp).clone().requires_grad_()
+            got, got_m = policy_loss(mine, take(behav), adv, take(resp), **kw, split=split)
             got.backward()
             total = got.detach().clone()
             dist.all_reduce(total)  # the ranks' losses add up to the whole rows'
-            grad = torch.zeros_like(logp)
-            grad[:, split.positions] = mine.grad
+            grad = torch.zeros(5, SEQ + 1, dtype=logp.dtype)  # a last column for "no column"
+            grad.scatter_(1, split.positions.expand_as(mine).clamp(max=SEQ), mine.grad)
+            grad = grad[:, :SEQ].contiguous()
             dist.all_reduce(grad)
-            ok &= torch.allclose(total, want.detach(), atol=1e-12)
+            ok = torch.allclose(total, want.detach(), atol=1e-12)
             ok &= torch.allclose(grad, whole_logp.grad, atol=1e-12)
             for key in ("num_kept_tokens", "num_neg_responses", "veto_response_frac"):
                 part = got_m[key].double() * (got_m["num_neg_responses"].double()
@@ -76,10 +96,9 @@ def _worker(rank, directory):
                                                 if key == "veto_response_frac" else 1.0)
                 ok &= bool(torch.allclose(part, whole, atol=1e-5))
             if not ok:
-                print("mismatch", scope, agg, total, want, flush=True)
-                break
-    dist.destroy_process_group()
-    raise SystemExit(0 if ok else 3)
+                print("mismatch", type(split).__name__, scope, agg, total, want, flush=True)
+                return False
+    return True
 
 
 @pytest.mark.slow
@@ -101,6 +120,54 @@ def test_the_test_batch_puts_triggers_across_chunks():
     masked = resp & ~keep
     assert masked[0, 7:12].all() and masked[0, 12:15].all()  # trigger at 6 (rank 1): rank 0 too
     assert masked[1, 10:15].all() and masked[2, 4:15].all() and not masked[4].any()
+
+
+def test_our_thd_split_is_transformer_engines():
+    """``thd_partition`` against Transformer Engine's rule stated segment by segment (TE 2.11
+    ``context_parallel.cu``: of each padded sequence chunk r then chunk 2 CP - 1 - r), for
+    random packed rows at CP 2 and 4: every column kept by exactly one rank, and rank r's
+    share of a segment at its offset / CP (what megatron's THD RoPE splits by)."""
+    from mugrpo_megatron.learner.packing import thd_partition
+
+    g = torch.Generator().manual_seed(3)
+    for cp in (2, 4):
+        for _ in range(20):
+            slots = (torch.randint(1, 6, (int(torch.randint(1, 5, (1,), generator=g)),),
+                                   generator=g) * 2 * cp).tolist()
+            bounds = [0]
+            for n in slots:
+                bounds.append(bounds[-1] + n)
+            kept = []
+            for r in range(cp):
+                want = []
+                for a, b in zip(bounds[:-1], bounds[1:]):
+                    c = (b - a) // (2 * cp)
+                    want += list(range(a + r * c, a + (r + 1) * c))
+                    want += list(range(a + (2 * cp - 1 - r) * c, a + (2 * cp - r) * c))
+                got = thd_partition(torch.tensor(bounds, dtype=torch.int32), bounds[-1], cp, r)
+                assert got.tolist() == want, (slots, cp, r)
+                kept += want
+            assert sorted(kept) == list(range(bounds[-1]))
+
+
+def test_a_packed_row_under_cp_pads_each_sequence_and_keeps_thd_offsets():
+    """Each sequence of a packed row starts at a multiple of 2 x CP (its padding: token 0, no
+    label, no loss); cu_seqlens counts each sequence's real tokens, cu_seqlens_q_padded its
+    slot's, which end at the row (TE's THD layout; the row's tail a segment of its own); a
+    segment that does not cut is refused."""
+    from mugrpo_megatron.learner.packing import pack_row, split_packed
+
+    tokens = torch.arange(1, 41).reshape(4, 10)
+    row = pack_row(tokens, [5, 10, 3, 7], capacity=40, align=4)
+    assert row.offsets() == [0, 5, 15, 18, 25, 33] and row.offsets(True) == [0, 8, 20, 24, 32, 40]
+    assert row.tokens[0, :8].tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
+    assert row.labels[0, 4:8].tolist() == [0, 0, 0, 0] and row.max_seqlen == 12
+    assert row.unpack[1, :10].tolist() == list(range(8, 18))
+    share = split_packed(row, 2, 1)  # rank 1 of 2: chunks 1 and 2 of each slot
+    assert share.row.tokens.shape == (1, 20)
+    assert share.row.tokens[0, :4].tolist() == [3, 4, 5, 0]  # slot 0 (8): columns 2-5
+    with pytest.raises(ValueError, match="does not cut into 2 x 2 chunks"):
+        split_packed(pack_row(tokens, [5, 10], capacity=22, align=2), 2, 0)
 
 
 def test_megatron_rotary_takes_the_chunks_our_split_takes():

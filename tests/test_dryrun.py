@@ -283,3 +283,37 @@ def test_context_parallel_in_the_dry_run():
     tokens = cfg.parallel.micro_batch_size * cfg.max_sequence_tokens / 2
     assert two["cp_ring"] == 4 * 2 * tokens * spec.num_kv_heads / 2 * spec.head_dim * 2
     assert one["cp_ring"] == 0
+    # packed (auto on TE): a CP rank's share of a packed row, the same tokens as padded here
+    packed = estimate(load_config(path, [*sets[:-2], "rollout.max_new_tokens=16384",
+                                         "parallel.context=2"]), spec, 2, ranks_per_node=8)
+    assert packed["activations"] == pytest.approx(two["activations"], rel=0.01)
+
+
+def test_the_learner_update_time_from_stated_rates():
+    """The dry run's seconds an update: the weight GEMMs are 2 FLOPs a matmul parameter a token
+    (every parameter but the embedding's, the norms' and the biases'), causal attention
+    layers x 2 x s^2 x query width, a training pass three forwards and full recomputation a
+    fourth; twice the GPUs at CP4 instead of CP2 halve the time."""
+    from mugrpo_megatron.dryrun.compute import forward_flops, update_seconds
+    from mugrpo_megatron.dryrun.memory import ASSUMED_MFU, DATASHEET_BF16
+
+    spec = read_model_spec(ROOT / "configs" / "models" / "llama-3.1-70b-instruct.json")
+    gemm, core = forward_flops(spec, 1000)
+    norms = (2 * spec.num_layers + 1) * spec.hidden_size
+    matmul = spec.num_parameters() - spec.vocab_size * spec.hidden_size - norms
+    assert gemm == 2 * 1000 * matmul
+    assert core == spec.num_layers * 2 * 1000 ** 2 * spec.num_heads * spec.head_dim
+    path = ROOT / "configs" / "llama-3.1-70b_8x8xh100_fp8.yaml"
+    sets = ["rollout.max_new_tokens=32768", "model.recompute=none"]
+    cfg = load_config(path, [*sets, "parallel.context=4"])
+    gemm, core = forward_flops(spec, cfg.max_sequence_tokens)
+    u4 = update_seconds(cfg, spec, dp=1, world=128)
+    assert u4["flops"] == cfg.algo.samples_per_update * 3 * (gemm + core)
+    assert u4["seconds"] == pytest.approx(
+        u4["flops"] * (1 + u4["bubble"]) / (128 * ASSUMED_MFU * DATASHEET_BF16))
+    full = update_seconds(load_config(path, ["rollout.max_new_tokens=32768",
+                                             "model.recompute=full", "parallel.context=4"]),
+                          spec, dp=1, world=128)
+    assert full["flops"] == pytest.approx(u4["flops"] * 4 / 3)
+    u2 = update_seconds(load_config(path, [*sets, "parallel.context=2"]), spec, dp=1, world=64)
+    assert u2["seconds"] == pytest.approx(2 * u4["seconds"], rel=0.02)

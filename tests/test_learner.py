@@ -59,6 +59,11 @@ LAYOUTS = {
     "tp2_sp_cp2": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true",
                        "parallel.context=2"]),
     "pp2_cp2": (4, ["parallel.pipeline=2", "parallel.context=2"]),
+    # packed under CP: each sequence padded to a multiple of 4 and cut into 4 chunks of its own
+    # (TE's THD rule), rows of 64 (40 rounded up to 16 x 2 x CP); megatron's THD RoPE
+    "cp2_packed": (2, ["parallel.context=2", "parallel.pack_tokens=40"]),
+    "tp2_sp_cp2_packed": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                              "parallel.context=2", "parallel.pack_tokens=40"]),
     # activation recomputation: the same gradients from recomputed activations
     "pp2_recompute_full": (2, ["parallel.pipeline=2", "model.recompute=full"]),
     "tp2_sp_recompute_selective": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true",
@@ -71,7 +76,7 @@ LAYOUTS = {name: (nproc, [*overrides, PAD]) for name, (nproc, overrides) in LAYO
 # distributed optimizer, TP with sequence parallel: the entropy's vocabulary-parallel backward).
 RECIPE = ["algo.loss_agg=seq-mean-token-mean", "algo.kl_coef=0.1", "algo.kl_estimator=k3",
           "algo.entropy_coef=0.05"]
-RECIPE_LAYOUTS = {"packed", "dp2_distopt_packed", "tp2_sp", "cp2"}
+RECIPE_LAYOUTS = {"packed", "dp2_distopt_packed", "tp2_sp", "cp2", "cp2_packed"}
 ROUTER = {"router_frozen": ["model.freeze_router=true"],
           "router_aux": ["model.router_load_balancing=aux_loss", "model.router_aux_loss_coeff=0.1"],
           "router_fp64": ["model.router_dtype=fp64"]}

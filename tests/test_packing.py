@@ -18,7 +18,7 @@ def test_bins_hold_every_sequence_once_within_capacity():
 
 
 def test_a_sequence_longer_than_a_row_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"pack_tokens: sequence 1 has 70 tokens"):
+    with pytest.raises(ValueError, match=r"pack_tokens: sequence 1 takes 70 tokens"):
         plan_bins([10, 70], 64)
 
 

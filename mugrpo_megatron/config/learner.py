@@ -84,7 +84,8 @@ class ParallelConfig(Section):
     groups; verl ``context_parallel_size``, slime ``--context-parallel-size``, NeMo-RL
     ``megatron_cfg.context_parallel_size``). world = tensor x pipeline x context x DP. The
     veto's first trigger, per-response counts and log-probs are assembled across the group.
-    Not yet with packing or a mixture of experts."""
+    Packed rows (pack_tokens) cut each sequence on its own, padded to a multiple of 2 x this
+    (Transformer Engine's THD rule). Not yet with a mixture of experts."""
     sequence_parallel: bool = False
     """Shard layer-norm and dropout activations along the sequence over the TP group (needs TP > 1)."""
     distributed_optimizer: bool = True
@@ -98,7 +99,9 @@ class ParallelConfig(Section):
     Transformer Engine, rows of micro_batch_size x (data.max_prompt_tokens +
     rollout.max_new_tokens), as many tokens as the largest padded microbatch (same activation
     memory), through TE's THD attention (sequences kept apart by cu_seqlens); elsewhere 0, since
-    megatron's local attention keeps packed sequences apart with a T x T mask. Saves the padding
+    megatron's local attention keeps packed sequences apart with a T x T mask. Under
+    parallel.context each sequence starts at a multiple of 2 x context (TE's THD rule) and is
+    cut into its own 2 x context chunks. Saves the padding
     (over half of the tokens with heavy-tailed response lengths: benchmarks/RESULTS.md); costs a
     first-fit pass over a rank's rows per update. The first mismatch check of a run scores rows
     both ways and stops the run if they differ."""
@@ -123,9 +126,6 @@ class ParallelConfig(Section):
     def __post_init__(self) -> None:
         self._positive("tensor", "pipeline", "expert", "context", "micro_batch_size",
                        "timeout_minutes")
-        if self.context > 1 and self.pack_tokens not in ("auto", 0):
-            self._fail("context", "packing under context parallelism (THD chunks a sequence) is "
-                       "not implemented yet; set parallel.pack_tokens: 0 (auto pads under CP)")
         if self.virtual_pipeline is not None:
             if self.virtual_pipeline < 2:
                 self._fail("virtual_pipeline", "must be >= 2 or null")

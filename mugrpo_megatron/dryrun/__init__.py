@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mugrpo_megatron.config import Config
+from mugrpo_megatron.dryrun.compute import update_seconds
 from mugrpo_megatron.dryrun.memory import (
     ASSUMED_MFU,
     DATASHEET_BF16,
@@ -48,6 +49,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
                                 else "awake"),
                  "save": "learner; its shards are copied to host memory to be written"}
     comms = ", ".join(f"{k} {v}" for k, v in e["communicators"].items())
+    u = update_seconds(cfg, spec, e["dp"], world_size)
     lines = [
         f"model: {spec.architecture}, {e['parameters_total'] / 1e9:.2f}B parameters, "
         f"{spec.num_layers} layers, vocab {spec.vocab_size} (padded {spec.padded_vocab_size(p.tensor)})",
@@ -105,6 +107,12 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
            f"{ASSUMED_MFU:.0%} MFU of {DATASHEET_BF16 / 1e12:.0f} TFLOP/s on each of the "
            f"{world_size} GPUs (a third of a training pass over them)"]
           if e["reference_tokens"] else []),
+        f"learner update: at most {u['flops'] / 1e15:,.0f} PFLOP ({cfg.algo.samples_per_update}"
+        f" sequences of {cfg.max_sequence_tokens:,} tokens, attention {u['attention_share']:.0%}"
+        f" of a forward, recompute {cfg.model.recompute}), pipeline idle {u['bubble']:.0%} "
+        f"({u['microbatches']} microbatches a rank): ~{u['seconds']:.0f} s at "
+        f"{ASSUMED_MFU:.0%} MFU of {DATASHEET_BF16 / 1e12:.0f} TFLOP/s on each of the "
+        f"{world_size} GPUs (stated rates; every sequence at the longest)",
         "peak with each model.recompute: " + ", ".join(
             f"{c} {v / GIB:.1f} GiB ({RECOMPUTE_COST[c]})" for c, v in e["peak_by_recompute"].items())
         + f"; the cheapest that fits: {e['cheapest_recompute'] or 'none of them'} (this config: "

@@ -116,12 +116,15 @@ def microbatch_tokens(cfg: Config) -> tuple[int, str]:
     """Tokens of the largest microbatch on a GPU (Transformer Engine installed, as the GPU
     install has it), and how they are laid out: a packed row (``parallel.pack_tokens``: 'auto'
     packs there, into rows of micro_batch_size x the longest sequence), or micro_batch_size rows
-    padded to the longest sequence."""
+    padded to the longest sequence; under context parallelism a CP rank's share of either."""
     p = cfg.parallel
     packed = pack_capacity(p, cfg.max_sequence_tokens, thd=True,
                            multiple=token_multiple(cfg.model, p))
     if packed:
-        return packed, f"packed rows of {packed} tokens (THD through Transformer Engine)"
+        cp = (f", each CP rank holding 2 of the {2 * p.context} chunks of every sequence in it "
+              f"(each padded to a multiple of {2 * p.context})") if p.context > 1 else ""
+        return packed // p.context, \
+            f"packed rows of {packed} tokens (THD through Transformer Engine){cp}"
     cp = f", each CP rank holding 2 of its {2 * p.context} chunks" if p.context > 1 else ""
     return p.micro_batch_size * cfg.max_sequence_tokens // p.context, \
         f"{p.micro_batch_size} row(s) padded to the rank's longest (up to " \

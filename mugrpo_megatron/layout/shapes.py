@@ -62,11 +62,10 @@ def pack_capacity(parallel: ParallelConfig, max_sequence_tokens: int, thd: bool,
     through Transformer Engine's THD attention (``thd``) into rows of micro_batch_size x the
     longest sequence (``max_sequence_tokens``: data.max_prompt_tokens + rollout.max_new_tokens),
     the most a padded microbatch could hold, and pads without TE; rounded up to ``multiple``
-    (FP8, sequence parallel)."""
+    (FP8, sequence parallel, 2 x context)."""
     tokens = parallel.pack_tokens
-    if tokens == "auto":  # no packing under context parallelism yet
-        tokens = parallel.micro_batch_size * max_sequence_tokens if thd and parallel.context == 1 \
-            else 0
+    if tokens == "auto":
+        tokens = parallel.micro_batch_size * max_sequence_tokens if thd else 0
     return round_up(tokens, multiple) if tokens else 0
 
 

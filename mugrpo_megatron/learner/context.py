@@ -8,11 +8,16 @@ assume for BSHD rows).
   reductions over the CP group that the loss needs of a whole response (the veto's first trigger,
   per-response counts): one small all-reduce each, the same number on every rank whatever the
   lengths.
+- ``PackedChunkSplit``: the same for a packed row (THD): every sequence of the row (padded to a
+  multiple of 2 x CP) cut into 2 x CP chunks of its own, as Transformer Engine's
+  ``thd_get_partitioned_indices`` cuts it (``packing.thd_partition``).
 - ``ContextParallelAttention``: core attention for megatron's local layer spec (CPU, and GPUs
   without Transformer Engine), whose own ``DotProductAttention`` refuses CP: each rank gathers
   the keys and values of the whole sequence over the CP group (an all-gather forward, a
   reduce-scatter of their gradients backward) and attends from its two chunks under the causal
-  mask of their global positions. Exact, and simple; its cost is the whole sequence's K and V on
+  mask of their global positions (packed rows: of their columns in the row, within their own
+  sequence, from ``cu_seqlens_q_padded``; megatron's THD RoPE has rotated them by their
+  positions within it). Exact, and simple; its cost is the whole sequence's K and V on
   every rank (2 x s x heads_kv x head_dim a layer, as without CP) and s/CP x s scores: it saves
   no attention memory, only the rest of the layer's. On GPUs Transformer Engine's attention does
   CP itself (ring exchange of K/V chunks, ``cp_comm_type`` p2p: megatron-core's default, overlaps
@@ -27,6 +32,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.transformer.module import MegatronModule
+
+from mugrpo_megatron.learner.packing import PackedRow, split_packed, thd_partition
 
 
 class ChunkSplit:
@@ -52,6 +59,29 @@ class ChunkSplit:
         """``x`` reduced over the CP group (in place; returned)."""
         dist.all_reduce(x, op=op, group=self.group)
         return x
+
+
+class PackedChunkSplit:
+    """This CP rank's share of a packed row (``packing.split_packed``), as a ``SequenceSplit``
+    of the per-sequence ``[n, 2 W]`` columns (positions per sequence)."""
+
+    def __init__(self, whole: PackedRow, cp_size: int, cp_rank: int, group=None):
+        self.whole = whole
+        """The whole row: its ``cu_seqlens`` are what THD attention and RoPE take."""
+        self.share = split_packed(whole, cp_size, cp_rank)
+        self.positions = self.share.positions
+        self.chunk_index = (cp_rank, 2 * cp_size - 1 - cp_rank)
+        self.num_chunks = 2 * cp_size
+        self.cp_size, self.cp_rank, self.group = cp_size, cp_rank, group
+
+    def reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        dist.all_reduce(x, op=op, group=self.group)
+        return x
+
+
+def packed_split_for(whole: PackedRow) -> PackedChunkSplit:
+    return PackedChunkSplit(whole, mpu.get_context_parallel_world_size(),
+                            mpu.get_context_parallel_rank(), mpu.get_context_parallel_group())
 
 
 def split_for(seq: int) -> ChunkSplit | None:
@@ -114,24 +144,46 @@ class ContextParallelAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("context parallel attention takes padded rows only")
-        s_local = query.shape[0]
-        split = split_for(s_local * mpu.get_context_parallel_world_size())
+        if attention_bias is not None:
+            raise NotImplementedError("context parallel attention takes no attention bias")
+        cp, rank = mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
+        if packed_seq_params is not None:  # THD: [t, heads, d], this rank's columns of a row
+            cu = (packed_seq_params.cu_seqlens_q_padded
+                  if packed_seq_params.cu_seqlens_q_padded is not None
+                  else packed_seq_params.cu_seqlens_q).to(query.device)
+            cols = [thd_partition(cu, query.shape[0] * cp, cp, r) for r in range(cp)]
+            keys = _AllGather.apply(key, mpu.get_context_parallel_group())
+            values = _AllGather.apply(value, mpu.get_context_parallel_group())
+            qcol, kcol = cols[rank], torch.cat(cols)  # the keys in the ranks' order
+            edges = cu[1:-1].long()
+            same = (torch.bucketize(qcol, edges, right=True)[:, None]
+                    == torch.bucketize(kcol, edges, right=True)[None, :])
+            out = self._attend(query[:, None], keys[:, None], values[:, None],
+                               qcol[:, None], kcol[None, :], same)
+            return out.reshape(query.shape[0], self.heads * self.head_dim)
+        split = split_for(query.shape[0] * cp)
         keys = _gather_sequence(key, split)
         values = _gather_sequence(value, split)
+        qpos = split.positions.to(query.device)[:, None]
+        kpos = torch.arange(keys.shape[0], device=query.device)[None, :]
+        out = self._attend(query, keys, values, qpos, kpos, None)
+        return out.reshape(query.shape[0], query.shape[1], self.heads * self.head_dim)
+
+    def _attend(self, query, keys, values, qpos, kpos, same):
+        """softmax(q k^T scale) v of queries ``[s_q, b, h, d]`` over keys and values
+        ``[s_k, b, h_kv, d]``, a query at column ``qpos`` seeing keys at ``kpos`` up to it (and
+        within the window; ``same``: only its own sequence's); ``[s_q, b, h, d]``."""
         if self.heads != self.groups:  # GQA: each KV head serves heads / groups query heads
             keys = keys.repeat_interleave(self.heads // self.groups, dim=2)
             values = values.repeat_interleave(self.heads // self.groups, dim=2)
-        q = query.permute(1, 2, 0, 3).float()   # [b, h, s_local, d]
-        k = keys.permute(1, 2, 3, 0).float()    # [b, h, d, s]
+        q = query.permute(1, 2, 0, 3).float()   # [b, h, s_q, d]
+        k = keys.permute(1, 2, 3, 0).float()    # [b, h, d, s_k]
         scores = torch.matmul(q, k) * self.scale
-        qpos = split.positions.to(query.device)[:, None]
-        kpos = torch.arange(keys.shape[0], device=query.device)[None, :]
         allowed = kpos <= qpos
         if self.window is not None:
             allowed = allowed & (kpos >= qpos - self.window)
+        if same is not None:
+            allowed = allowed & same
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(value.dtype)
-        out = torch.matmul(probs, values.permute(1, 2, 0, 3))  # [b, h, s_local, d]
-        return out.permute(2, 0, 1, 3).reshape(s_local, query.shape[1], self.heads * self.head_dim)
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values.permute(1, 2, 0, 3)).permute(2, 0, 1, 3)

@@ -37,7 +37,7 @@ from megatron.core.transformer.module import Float16Module
 from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config, ModelConfig, OptimConfig, ParallelConfig
 from mugrpo_megatron.layout import pack_capacity, round_up, token_multiple
-from mugrpo_megatron.learner.context import split_for
+from mugrpo_megatron.learner.context import packed_split_for, split_for
 from mugrpo_megatron.learner.logits import policy_logits, vocab_parallel_entropy
 from mugrpo_megatron.learner.microbatch import (
     MicroBatch,
@@ -46,6 +46,7 @@ from mugrpo_megatron.learner.microbatch import (
     per_sequence,
     right_padded,
     split_columns,
+    split_packed_columns,
 )
 from mugrpo_megatron.learner.model import (
     DTYPES,
@@ -217,12 +218,16 @@ class Learner:
         if with_ref and batch.ref_logp is None:
             raise ValueError("algo.kl_target: reference needs the batch's reference log-probs")
         mine = slice(0, batch.size) if dp_local else self.dp_rows(batch.size)
+        cp = self.layout.cp_size
         out = build_microbatches(
             batch, mine, micro_batch_size=self.parallel.micro_batch_size,
             capacity=self.pack_capacity if capacity is None else capacity, train=train,
-            with_ref=with_ref, equal_count=self._equal_count)
-        split = split_for(batch.tokens.shape[1])  # context parallel: this rank's chunks
-        return out if split is None else [split_columns(mb, split) for mb in out]
+            with_ref=with_ref, equal_count=self._equal_count, align=2 * cp if cp > 1 else 1)
+        if cp == 1:
+            return out
+        # context parallel: this rank's chunks of each row, or of each packed sequence
+        return [split_packed_columns(mb, packed_split_for(mb.packed)) if mb.packed is not None
+                else split_columns(mb, split_for(batch.tokens.shape[1])) for mb in out]
 
     def _equal_count(self, count: int) -> int:
         """The most microbatches any rank of this data-parallel group packed (``count`` here):
@@ -249,11 +254,16 @@ class Learner:
             mb = next(data_iterator)
             device = distributed.device()
             extra = {"attention_mask": None}
-            if mb.packed is not None and self.uses_thd:
-                cu = mb.packed.cu_seqlens(device)
+            if mb.packed is not None and (self.uses_thd or mb.split is not None):
+                # THD (under CP also on CPU: megatron's THD RoPE, our CP attention): the whole
+                # row's offsets, padded ones where sequences are padded to 2 x CP
+                row = mb.packed if mb.split is None else mb.split.whole
+                cu = row.cu_seqlens(device)
+                padded = row.cu_seqlens(device, padded=True) if row.slots is not None else None
                 extra["packed_seq_params"] = PackedSeqParams(
                     qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                    max_seqlen_q=mb.packed.max_seqlen, max_seqlen_kv=mb.packed.max_seqlen)
+                    cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                    max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen)
             elif mb.packed is not None:
                 extra["attention_mask"] = mb.packed.attention_mask(device)
             output = model(input_ids=mb.tokens.to(device), position_ids=mb.position_ids.to(device),
@@ -344,10 +354,13 @@ class Learner:
             for r in results:
                 if isinstance(r["rows"], torch.Tensor) and not r["rows"].numel():
                     continue  # a filler microbatch (expert parallelism): no row of the batch
-                if r.get("positions") is not None:  # context parallel: this rank's columns
-                    nxt = torch.zeros_like(full[r["rows"]])
-                    nxt[:, r["positions"].to(nxt.device)] = r[key].float()
-                    full[r["rows"], 1:] = nxt[:, :-1]
+                pos = r.get("positions")
+                if pos is not None:  # context parallel: this rank's columns
+                    width = full.shape[1]  # packed: each sequence's own, past the row if none
+                    nxt = full.new_zeros(full[r["rows"]].shape[0], width + 1)
+                    pos = pos.to(nxt.device).expand(nxt.shape[0], -1).clamp(max=width)
+                    nxt.scatter_(1, pos, r[key].float())
+                    full[r["rows"], 1:] = nxt[:, :width - 1]
                     continue
                 width = r[key].shape[1]
                 full[r["rows"], 1:width] = r[key][:, :-1].float()

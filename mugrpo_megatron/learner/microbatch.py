@@ -11,7 +11,13 @@ from functools import partial
 import torch
 
 from mugrpo_megatron.chunked import SequenceSplit
-from mugrpo_megatron.learner.packing import PackedRow, pack_row, plan_bins, sequence_lengths
+from mugrpo_megatron.learner.packing import (
+    PackedRow,
+    pack_row,
+    plan_bins,
+    sequence_lengths,
+    slot,
+)
 from mugrpo_megatron.types import TokenBatch, TrainBatch
 
 
@@ -42,6 +48,18 @@ def split_columns(mb: MicroBatch, split: SequenceSplit) -> MicroBatch:
                                                        "loss_mask", "behav_logp", "ref_logp")
            if getattr(mb, name) is not None}
     return replace(mb, **cut, split=split)
+
+
+def split_packed_columns(mb: MicroBatch, split) -> MicroBatch:
+    """This context-parallel rank's share of a packed microbatch (``learner.context.
+    PackedChunkSplit``): the row's tensors at its columns, the per-sequence ones in the share's
+    ``[n, 2 W]`` layout."""
+    share = split.share
+    cut = {name: share.take(getattr(mb, name)) for name in ("loss_mask", "behav_logp", "ref_logp")
+           if getattr(mb, name) is not None}
+    cut["loss_mask"] = cut["loss_mask"] & share.row.valid
+    return replace(mb, **cut, tokens=share.row.tokens, position_ids=share.row.position_ids,
+                   labels=share.row.labels, packed=share.row, split=split)
 
 
 def next_aligned(x: torch.Tensor) -> torch.Tensor:
@@ -84,12 +102,13 @@ def per_sequence(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
 
 
 def build_microbatches(batch: TokenBatch, rows: slice, *, micro_batch_size: int, capacity: int,
-                       train: bool, with_ref: bool, equal_count: Callable[[int], int]
-                       ) -> list[MicroBatch]:
+                       train: bool, with_ref: bool, equal_count: Callable[[int], int],
+                       align: int = 1) -> list[MicroBatch]:
     """``batch``'s ``rows`` as microbatches: ``micro_batch_size`` rows padded to the batch's
     width, or (``capacity`` > 0) packed into rows of ``capacity`` tokens, one a microbatch, and
     ``equal_count(bins)`` of them at least (empty ``filler`` ones after: the learner's
-    ``_equal_count``, the most any rank of the data-parallel group packed). ``train`` adds the
+    ``_equal_count``, the most any rank of the data-parallel group packed), each sequence
+    starting at a multiple of ``align`` (context parallelism: 2 x CP). ``train`` adds the
     behaviour log-probs and advantages, ``with_ref`` the reference log-probs."""
     seq = batch.tokens.shape[1]
     labels = next_aligned(batch.tokens)
@@ -115,12 +134,12 @@ def build_microbatches(batch: TokenBatch, rows: slice, *, micro_batch_size: int,
         return out
     mine = list(range(rows.start, rows.stop))
     lengths = sequence_lengths(batch.response_mask[mine])
-    bins = plan_bins(lengths, capacity)
+    bins = plan_bins([slot(n, align) for n in lengths], capacity)
     out = [filler(capacity, train, with_ref) for _ in range(equal_count(len(bins)) - len(bins))]
     for members in bins:
         idx = torch.tensor([mine[i] for i in members])
         lens = [lengths[i] for i in members]
-        p = pack_row(batch.tokens[idx], lens, capacity)
+        p = pack_row(batch.tokens[idx], lens, capacity, align)
         out.append(MicroBatch(**per_row(idx, max(lens)), packed=p, tokens=p.tokens,
                               position_ids=p.position_ids, labels=p.labels,
                               loss_mask=loss_mask[idx, :max(lens)] & p.valid))
