@@ -191,3 +191,71 @@ def test_fp8_extra_state_is_one_copy_a_layer_and_loads_in_any_layout(tmp_path):
             torch.tensor(full(g)).chunk(2)[r["rank"]].tolist() for g in range(LAYERS)]
     for r in saved_dp2:  # TP2's checkpoint read by two DP replicas: both get TP rank 0's state
         assert [m["scale"] for m in r["loads"][ck["tp2"]]] == pytest.approx([1.0, 2.0])
+
+
+class DelayedScalingBuffer:
+    """A stand-in for Transformer Engine's ``FP8GlobalStateManager`` global amax buffer under
+    delayed scaling (TE 2.11 ``quantization.py``; TE is not installed on CPU): keys
+    ``forward_<autocast>`` / ``backward_<autocast>``, each a list of modules' ``amax_history[0]``
+    views. ``cast`` folds a tensor's amax into its module's slot as TE's cast kernels do (a
+    running max); ``reduce`` is a grad-enabled ``fp8_autocast`` exit: roll each history, zero
+    its slot, scale = 448 / max(history) (``delayed_scaling.cu``, amax_compute_algo 'max')."""
+
+    def __init__(self):
+        self.global_amax_buffer: dict[str, list[torch.Tensor]] = {}
+        self.histories: list[torch.Tensor] = []
+
+    @staticmethod
+    def split_key_in_buffer(key: str) -> tuple[bool, str]:
+        forward, autocast = key.split("_", 1)
+        return forward == "forward", autocast
+
+    def register(self, length: int = 4) -> torch.Tensor:
+        history = torch.zeros(length, 2)
+        self.histories.append(history)
+        self.global_amax_buffer.setdefault("forward_recipe:group", []).append(history[0])
+        self.global_amax_buffer.setdefault("backward_recipe:group", []).append(torch.zeros(2))
+        return history
+
+    @staticmethod
+    def cast(history: torch.Tensor, x: torch.Tensor) -> None:
+        history[0] = torch.maximum(history[0], x.abs().amax(dim=0))
+
+    def reduce(self) -> list[torch.Tensor]:
+        scales = []
+        for h in self.histories:
+            last = h[0].clone()
+            h.copy_(torch.cat([h[1:], last[None]]))
+            h[0] = 0
+            scales.append(448.0 / h.amax(dim=0))
+        return scales
+
+
+def test_no_grad_fp8_passes_leave_the_next_updates_scaling_as_without_them():
+    """A no-grad pass with larger activations between two training microbatches: inside
+    ``forward_amaxes_kept`` the histories and scales after the second microbatch are those of
+    the run without the pass; without it the pass's amax enters the history (the rule the
+    function exists for). A module first seen in the pass is left with a zero slot."""
+    from mugrpo_megatron.learner.fp8 import forward_amaxes_kept
+
+    def run(no_grad_pass, kept):
+        te = DelayedScalingBuffer()
+        layer = te.register()
+        te.cast(layer, torch.tensor([[1.0, -2.0]]))
+        te.reduce()  # microbatch 1
+        if no_grad_pass:
+            with forward_amaxes_kept(kept, manager=te):
+                te.cast(layer, torch.tensor([[50.0, 30.0]]))  # a phase's worst activation
+                late = te.register()
+                te.cast(late, torch.tensor([[7.0, 7.0]]))
+            assert not late.any() or not kept
+        te.cast(layer, torch.tensor([[3.0, 1.0]]))
+        return te.reduce()[0], layer.clone()  # microbatch 2
+
+    plain_scale, plain_history = run(False, True)
+    kept_scale, kept_history = run(True, True)
+    assert torch.equal(kept_scale, plain_scale) and torch.equal(kept_history, plain_history)
+    folded_scale, _ = run(True, False)
+    assert (folded_scale < plain_scale).all()  # 448/50 instead of 448/3
+    with forward_amaxes_kept(False):  # no delayed scaling: nothing to keep, TE not imported
+        pass

@@ -31,6 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
 from mugrpo_megatron.learner.packing import PackedRow, split_packed, thd_partition
@@ -82,6 +83,17 @@ class PackedChunkSplit:
 def packed_split_for(whole: PackedRow) -> PackedChunkSplit:
     return PackedChunkSplit(whole, mpu.get_context_parallel_world_size(),
                             mpu.get_context_parallel_rank(), mpu.get_context_parallel_group())
+
+
+def thd_params(row: PackedRow, device) -> PackedSeqParams:
+    """megatron's THD parameters of a packed row (the whole row's, also under CP): offsets of
+    the real tokens, and of the slots where sequences are padded to 2 x CP
+    (``cu_seqlens_q_padded``: TE's CP attention and megatron's THD RoPE cut by them)."""
+    cu = row.cu_seqlens(device)
+    padded = row.cu_seqlens(device, padded=True) if row.slots is not None else None
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                           max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen)
 
 
 def split_for(seq: int) -> ChunkSplit | None:

@@ -10,6 +10,7 @@ Blackwell). The shapes an FP8 GEMM accepts are the layout's rules (``layout.shap
 from __future__ import annotations
 
 import importlib.util
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -68,3 +69,37 @@ def fp8_kwargs(model: ModelConfig) -> dict[str, Any]:
     return {"fp8": model.fp8_format, "fp8_recipe": model.fp8_recipe, "fp8_margin": 0,
             "fp8_amax_history_len": 1024 if model.fp8_recipe == "delayed" else 1,
             "fp8_amax_compute_algo": "max", "tp_only_amax_red": False}
+
+
+@contextmanager
+def forward_amaxes_kept(delayed: bool, manager=None):
+    """A no-grad pass under FP8 delayed scaling that leaves the next update's scaling as it
+    would be without it. TE's casts fold every forward tensor's amax into ``amax_history[0]`` of
+    its module (a running max), grad or no grad; only a grad-enabled ``fp8_autocast`` exit
+    reduces that slot, rolls the history and zeroes it (TE 2.9-2.18 ``quantization.py``
+    ``FP8GlobalStateManager.autocast_exit`` -> ``reduce_and_update_fp8_tensors``;
+    ``common/recipe/delayed_scaling.cu``). A no-grad pass (the behaviour, reference and check
+    passes over a whole phase) would so put its largest amax into the next training
+    microbatch's reduction, and with our ``amax_compute_algo: max`` over 1024 steps into the
+    scales of the ~1024 microbatches after it: scales from a phase's worst activation rather
+    than the training's own. Here every forward slot of TE's global buffer (keys ``forward_*``)
+    is put back after the pass: to its value before, or to 0 for a module first registered
+    during it (a new module's history is zeros). A few KB copied a pass. ``manager``: TE's
+    ``FP8GlobalStateManager`` unless given (the tests give a stand-in of its buffer)."""
+    if not delayed:
+        yield
+        return
+    if manager is None:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
+
+    def slots() -> list[torch.Tensor]:
+        return [t for key, buf in manager.global_amax_buffer.items()
+                if manager.split_key_in_buffer(key)[0] for t in buf]
+
+    before = {id(t): t.clone() for t in slots()}
+    try:
+        yield
+    finally:
+        for t in slots():
+            saved = before.get(id(t))
+            t.copy_(saved) if saved is not None else t.zero_()

@@ -30,14 +30,14 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config, ModelConfig, OptimConfig, ParallelConfig
 from mugrpo_megatron.layout import pack_capacity, round_up, token_multiple
-from mugrpo_megatron.learner.context import packed_split_for, split_for
+from mugrpo_megatron.learner.context import packed_split_for, split_for, thd_params
+from mugrpo_megatron.learner.fp8 import forward_amaxes_kept
 from mugrpo_megatron.learner.logits import policy_logits, vocab_parallel_entropy
 from mugrpo_megatron.learner.microbatch import (
     MicroBatch,
@@ -140,7 +140,8 @@ class Learner:
         self.pack_capacity = pack_capacity(parallel, max_sequence_tokens, self.uses_thd,
                                            self.token_multiple)
         """Tokens of a packed microbatch row; 0 pads instead (``parallel.pack_tokens``)."""
-        self._fp8_uncalibrated = model.fp8_format is not None and model.fp8_recipe == "delayed"
+        self._fp8_delayed = model.fp8_format is not None and model.fp8_recipe == "delayed"
+        self._fp8_uncalibrated = self._fp8_delayed
         """Delayed scaling sets FP8 scales from the amax history only in grad-enabled passes
         (TE's ``autocast_exit``, and the backward): until one has run, a no-grad pass would
         quantize with the initial scale of 1.0 (``_calibrate_fp8``)."""
@@ -255,15 +256,9 @@ class Learner:
             device = distributed.device()
             extra = {"attention_mask": None}
             if mb.packed is not None and (self.uses_thd or mb.split is not None):
-                # THD (under CP also on CPU: megatron's THD RoPE, our CP attention): the whole
-                # row's offsets, padded ones where sequences are padded to 2 x CP
-                row = mb.packed if mb.split is None else mb.split.whole
-                cu = row.cu_seqlens(device)
-                padded = row.cu_seqlens(device, padded=True) if row.slots is not None else None
-                extra["packed_seq_params"] = PackedSeqParams(
-                    qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                    cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
-                    max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen)
+                # THD (under CP also on CPU: megatron's THD RoPE, our CP attention)
+                extra["packed_seq_params"] = thd_params(
+                    mb.packed if mb.split is None else mb.split.whole, device)
             elif mb.packed is not None:
                 extra["attention_mask"] = mb.packed.attention_mask(device)
             output = model(input_ids=mb.tokens.to(device), position_ids=mb.position_ids.to(device),
@@ -319,7 +314,8 @@ class Learner:
             m.eval()
         if self._fp8_uncalibrated:
             self._calibrate_fp8(microbatches[:1])
-        results = self._run(microbatches, loss_fn, forward_only=True)
+        with forward_amaxes_kept(self._fp8_delayed):  # the next update scales as without it
+            results = self._run(microbatches, loss_fn, forward_only=True)
         for m in self.model:
             m.train()
         logp = self._gather_rows(results, "logp", batch)[:, :seq].contiguous()
