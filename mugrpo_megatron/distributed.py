@@ -14,12 +14,15 @@ import contextlib
 import datetime
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 TIMEOUT_KEY = "parallel.timeout_minutes"
+_timeout_minutes = 30.0
+"""The default group's collective timeout (``init_default_group``)."""
 
 
 def world() -> tuple[int, int]:
@@ -47,6 +50,8 @@ def init_default_group(timeout_minutes: float) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend="nccl" if use_cuda else "gloo",
                             timeout=datetime.timedelta(minutes=timeout_minutes))
+    global _timeout_minutes
+    _timeout_minutes = timeout_minutes
 
 
 def device() -> torch.device:
@@ -108,13 +113,70 @@ class Failure:
             self.record(e, what)
 
 
+class Stalled(RuntimeError):
+    """Ranks that had not finished their own work made no progress for the timeout."""
+
+
+class Arrival:
+    """Ranks that finish work of their own at different times (a phase's generation: one
+    replica's refill rounds while the others are done) wait for each other on the host, in the
+    default group's key-value store, not in a collective: no NCCL operation is pending while
+    they wait, so the watchdog (``parallel.timeout_minutes``) cannot end a wait that is only
+    long. A wait ends when every rank has arrived; it fails (``Stalled``, naming the ranks not
+    arrived) only when those ranks made no progress (``beat``: each finished unit of work, sent
+    at most every ``BEAT_SECONDS``) for ``stall_minutes`` (default: the collective timeout).
+    Keys: ``mugrpo/<tag>/...``, a few a rank, in the store torchrun's rendezvous made."""
+
+    BEAT_SECONDS = 5.0
+    POLL_SECONDS = 0.5
+
+    def __init__(self, tag: str, stall_minutes: float | None = None):
+        from mugrpo_megatron.engines.compat_torch import default_store
+
+        self.rank, self.size = world()
+        self.tag, self.stall_s = f"mugrpo/{tag}", 60 * (stall_minutes or _timeout_minutes)
+        self.store = default_store() if self.size > 1 else None
+        self._beats, self._sent = 0, 0.0
+
+    def beat(self) -> None:
+        """A unit of this rank's work done (cheap: the store is told every BEAT_SECONDS)."""
+        self._beats += 1
+        if self.store is not None and time.monotonic() - self._sent >= self.BEAT_SECONDS:
+            self.store.add(f"{self.tag}/beats", self._beats)
+            self._beats, self._sent = 0, time.monotonic()
+
+    def wait(self) -> None:
+        """Arrive, then wait for every rank (``Stalled`` after ``stall_minutes`` without a
+        beat from any rank still working)."""
+        if self.store is None:
+            return
+        self.store.add(f"{self.tag}/beats", self._beats)
+        self.store.set(f"{self.tag}/done/{self.rank}", "1")
+        keys = [f"{self.tag}/done/{r}" for r in range(self.size)]
+        seen, since = -1, time.monotonic()
+        while not self.store.check(keys):
+            beats = self.store.add(f"{self.tag}/beats", 0)
+            if beats != seen:
+                seen, since = beats, time.monotonic()
+            elif time.monotonic() - since > self.stall_s:
+                late = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                raise Stalled(f"ranks {late} had not finished their work and made no progress "
+                              f"for {self.stall_s / 60:g} minutes ({TIMEOUT_KEY}): frozen or "
+                              f"dead (see their logs); everything persisted was kept, run the "
+                              f"same command again to resume")
+            time.sleep(self.POLL_SECONDS)
+
+
 @contextlib.contextmanager
 def agreed(raise_as: type[Exception] = RuntimeError,
-           explain: Callable[[str], str] = lambda error: error) -> Iterator[Failure]:
+           explain: Callable[[str], str] = lambda error: error,
+           arrival: Arrival | None = None) -> Iterator[Failure]:
     """Collective, around work that ranks do on their own: the block's failure (raised, or
     recorded through the ``Failure`` it yields) and every other rank's are agreed on when it
     ends, and every rank raises ``raise_as(explain(first failing rank's message))``, or none
-    does. One small all-gather (``agree``) at the end; nothing inside waits for another rank."""
+    does. One small all-gather (``agree``) at the end; nothing inside waits for another rank.
+    ``arrival``: the ranks first wait for each other on the host (``Arrival``), so that the
+    all-gather starts when all are there, however long the slowest one's work ran."""
     failure = Failure()
     try:
         yield failure
@@ -122,6 +184,8 @@ def agreed(raise_as: type[Exception] = RuntimeError,
         if is_collective_timeout(e):
             raise  # the ranks are out of step: an agreement would wait as long again
         failure.record(e)
+    if arrival is not None:
+        arrival.wait()
     error = agree(failure.error)
     if error:
         raise raise_as(explain(error))

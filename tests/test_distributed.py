@@ -6,6 +6,7 @@ untouched (the ranks are out of step: waiting for an agreement would take as lon
 import json
 from pathlib import Path
 
+import pytest
 from helpers import gloo_world, spawn_ranks
 
 
@@ -59,3 +60,40 @@ def test_failures_are_agreed_on_every_rank(tmp_path):
         assert s["kept"] == "ValueError: writing: OSError: disk" and s["sum"] == "2", s
         assert s["clean"] == "none"
         assert s["timeout"].startswith("RuntimeError: [gloo] Timed out waiting"), s
+
+
+def _late_replica(rank: int, directory: str, frozen: bool) -> None:
+    """Three ranks under a 3-second collective timeout; rank 2 works 8 s alone (beating every
+    0.2 s, or frozen: no beat), ranks 0 and 1 are done at once and agree after ``Arrival``."""
+    import time
+
+    import torch.distributed as dist
+
+    from mugrpo_megatron.distributed import Arrival, Stalled, agreed
+
+    gloo_world(rank, 3, directory, minutes=3 / 60)
+    Arrival.BEAT_SECONDS, Arrival.POLL_SECONDS = 0.2, 0.1
+    arrival = Arrival("generate/0/0", stall_minutes=2 / 60)
+    try:
+        with agreed(RuntimeError, arrival=arrival):
+            if rank == 2:
+                for _ in range(40):
+                    time.sleep(0.2)
+                    if not frozen:
+                        arrival.beat()
+    except Stalled as e:
+        ok = frozen and rank != 2 and "ranks [2] had not finished" in str(e)
+        raise SystemExit(0 if ok else 4) from None
+    except RuntimeError:  # the frozen rank, late: the others had given up (a timeout, or a
+        raise SystemExit(0 if frozen and rank == 2 else 5) from None  # closed connection)
+    dist.destroy_process_group()
+    raise SystemExit(3 if frozen else 0)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_ranks_done_early_wait_for_a_slow_one_outside_any_collective(tmp_path, frozen):
+    """A rank working past the collective timeout while the others are done (a replica's
+    refill rounds): the others wait in the store, not in a collective, so the agreement after
+    it succeeds (without the wait the all-gather times out after 3 s, as the frozen case shows
+    for the late rank). A rank that makes no progress for the stall limit is named."""
+    assert spawn_ranks(_late_replica, str(tmp_path), frozen, ranks=3, timeout=120) == [0, 0, 0]

@@ -113,11 +113,13 @@ class ParallelConfig(Section):
     changes; it costs at most this many tokens (x tensor with sequence parallel) a row."""
     timeout_minutes: float = 180.0
     """Collective timeout, for every process group of the job: torch's default group, megatron's
-    TP/PP/DP/EP groups (and the gloo groups it makes) and the engines' groups. A rank without an
-    engine, and a replica that finishes its share of a phase first, wait for the slowest replica
-    in a collective, so this must exceed the longest generation stage (and evaluation) of the
-    run; a rank that froze or died is noticed after this long, with an error that names this
-    key."""
+    TP/PP/DP/EP groups (and the gloo groups it makes) and the engines' groups. A replica that
+    finishes its share of a phase's generation first (refill rounds and long tails keep others
+    going) waits for the rest on the host, outside any collective, for as long as they finish
+    groups, and fails, naming the ranks, only when they finish none for this long
+    (``distributed.Arrival``); an evaluation's replicas still wait in a collective, so this
+    must exceed the longest evaluation; a rank that froze or died is noticed after this long,
+    with an error that names this key."""
     offload_learner: Literal["auto", "always", "never"] = "auto"
     """Move the learner's weights, gradients and optimizer state to host memory while the engine
     generates (and evaluates), and back before the next update. 'auto': on when the learner is on

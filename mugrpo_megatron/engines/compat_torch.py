@@ -14,7 +14,17 @@ from collections.abc import Iterator
 
 import torch
 
-UPSTREAM_SYMBOLS: tuple[str, ...] = ("torch.distributed.distributed_c10d:_set_pg_timeout",)
+UPSTREAM_SYMBOLS: tuple[str, ...] = ("torch.distributed.distributed_c10d:_set_pg_timeout",
+                                      "torch.distributed.distributed_c10d:_get_default_store")
+
+
+def default_store():
+    """The default process group's key-value store (torch's ``distributed_c10d.
+    _get_default_store``, private; torch 2.0 to 2.14): what ranks wait on outside any
+    collective (``distributed.Arrival``)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def set_group_timeout(group, minutes: float) -> None:

@@ -76,7 +76,8 @@ def forward_amaxes_kept(delayed: bool, manager=None):
     """A no-grad pass under FP8 delayed scaling that leaves the next update's scaling as it
     would be without it. TE's casts fold every forward tensor's amax into ``amax_history[0]`` of
     its module (a running max), grad or no grad; only a grad-enabled ``fp8_autocast`` exit
-    reduces that slot, rolls the history and zeroes it (TE 2.9-2.18 ``quantization.py``
+    reduces that slot, rolls the history and zeroes it (the casts: ``atomicMaxFloat``,
+    ``common/cast/fp8/quantize_fp8.cuh``; TE 2.9-2.18 ``quantization.py``
     ``FP8GlobalStateManager.autocast_exit`` -> ``reduce_and_update_fp8_tensors``;
     ``common/recipe/delayed_scaling.cu``). A no-grad pass (the behaviour, reference and check
     passes over a whole phase) would so put its largest amax into the next training

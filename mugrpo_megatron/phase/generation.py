@@ -27,6 +27,7 @@ Memory on a leader: the groups in the engine (as vLLM's Python objects), plus at
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -59,6 +60,11 @@ from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
 
 _MAX_PENDING_SHARDS = 4
 """Shards a leader lets wait for their scores before it waits too (bounds its memory)."""
+
+
+_GENERATIONS = itertools.count()
+"""Calls of ``generate_phase`` in this process (the same on every rank): each its own keys in
+the store (``distributed.Arrival``)."""
 
 
 def phase_seed(seed: int, phase: int) -> int:
@@ -148,7 +154,10 @@ def generate_phase(fleet: EngineFleet, directory: Path, phase: Phase, r: Rollout
     bar = progress.bar(f"phase {phase.index} generate (replica {fleet.replica} of "
                        f"{fleet.num_replicas})", total=len(mine))
     sampling = sampling_for_phase(r, phase.index)
-    with distributed.agreed(GenerationFailed) as failure:
+    # replicas finish (refill rounds, long tails) at different times: the done ones wait on the
+    # host, not in a collective, failing only when the rest make no progress for the timeout
+    arrival = distributed.Arrival(f"generate/{phase.index}/{next(_GENERATIONS)}")
+    with distributed.agreed(GenerationFailed, arrival=arrival) as failure:
         writer = ShardWriter(directory, scorer, tokenizer, prompts, index_of, r.shard_prompts,
                              counts, advantages) if fleet.is_leader else None
 
@@ -161,6 +170,7 @@ def generate_phase(fleet: EngineFleet, directory: Path, phase: Phase, r: Rollout
                     with failure.kept("scoring and writing rollouts: "):
                         writer.add(positions[i], gens)
                 bar.update(1)
+                arrival.beat()
 
         stream(mine.tolist())
         if refill is not None:
