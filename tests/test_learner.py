@@ -64,6 +64,10 @@ LAYOUTS = {
     "cp2_packed": (2, ["parallel.context=2", "parallel.pack_tokens=40"]),
     "tp2_sp_cp2_packed": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true",
                               "parallel.context=2", "parallel.pack_tokens=40"]),
+    # DP2 x CP2 packed, the optimizer sharded over DP x CP: the DP ranks pack their halves into
+    # different numbers of rows, and the short one's filler rows are cut over CP too
+    "dp2_cp2_distopt_packed": (4, ["parallel.context=2", "parallel.pack_tokens=40",
+                                   "parallel.distributed_optimizer=true"]),
     # activation recomputation: the same gradients from recomputed activations
     "pp2_recompute_full": (2, ["parallel.pipeline=2", "model.recompute=full"]),
     "tp2_sp_recompute_selective": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true",
@@ -92,7 +96,7 @@ def layouts_for(family: str) -> list[str]:
         return ["ep2_distopt", "ep2_distopt_packed", "tp2_sp", "pp2"]
     return [name for name in LAYOUTS if not name.startswith("ep")
             and (family in FULL or name in ("tp2", "pp2", "tp2_sp"))
-            and (family == "llama" or "recompute" not in name)]  # recomputation: one family
+            and (family == "llama" or ("recompute" not in name and "dp2_cp2" not in name))]
 
 
 def per_expert(grads: dict, family: str) -> dict:
