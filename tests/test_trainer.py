@@ -281,9 +281,10 @@ INTERVAL_SAVES = {"checkpoint.save_at_phase_end": "false", "checkpoint.save_ever
 
 def test_sigkill_mid_optimization_then_resume_from_inside_a_phase(setup):
     """Saves by the interval alone (checkpoint.save_at_phase_end: false). Killed once phase 2
-    has generated, the last save is at update 4, inside phase 1; the resume replays updates 4-5
-    from phase 1's rollouts and goes on with phase 2's, generating nothing again, to the
-    uninterrupted run's losses."""
+    has generated, the last save is at update 4, inside phase 1; the resume, at context
+    parallel 2 where the run was at tensor parallel 2 (the checkpoint resharded, every sequence
+    now cut into chunks), replays updates 4-5 from phase 1's rollouts and goes on with phase
+    2's, generating nothing again, to the uninterrupted run's losses."""
     d, hf, ref = setup
     run = d / "killed_in_optimization"
     index2 = run / "rollouts" / "phase_0002" / "index.arrow"
@@ -291,7 +292,8 @@ def test_sigkill_mid_optimization_then_resume_from_inside_a_phase(setup):
     assert sorted(p.name for p in (run / "checkpoints").glob("update_*")) == ["update_0000004"]
     generated = mtimes((run / "rollouts").glob("phase_*/index.arrow"))
     assert len(generated) == 3
-    run_to_end(hf, run, INTERVAL_SAVES)
+    run_to_end(hf, run, {**INTERVAL_SAVES, "parallel.tensor": 1, "parallel.context": 2})
+    assert "context: 2" in (run / "config.1.yaml").read_text()  # the resume's start
     assert_unchanged(generated)
     assert losses(run) == pytest.approx(losses(ref), abs=1e-6)
     # the resume's saves: update 8 (inside phase 2) and the run's last, 9
