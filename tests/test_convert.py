@@ -38,6 +38,9 @@ def read_hf(path):
     ("llama", {}, ["--tp", "2", "--pp", "2"]),
     ("qwen3_moe", {}, ["--tp", "2", "--pp", "2"]),
     ("mixtral", {}, ["--pp", "2", "--ep", "2"]),  # experts split over 2 ranks (EP2 in DP2)
+    # GLM-4.5's MoE at TP2 x EP2: shared experts, the router's correction bias (a buffer), a
+    # dense first layer, QKV biases, q/k norms
+    ("glm4_moe", {}, ["--tp", "2", "--ep", "2"]),
 ])
 def test_round_trip_bit_exact(tmp_path, family, opts, layout):
     hf = make_tiny_checkpoint(tmp_path / "hf", family, seed=2, vocab_size=400, **opts)

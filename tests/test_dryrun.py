@@ -70,6 +70,9 @@ def test_dry_run_fits(name, world, per_node, arch, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "fits: yes" in out and f"world {world} =" in out
+    spec = read_model_spec(ROOT / "configs" / "models" / f"{arch}.json")
+    # an MoE's experts: one grouped GEMM a layer on GPUs, its workspace counted
+    assert ("run as one grouped GEMM (Transformer Engine's TEGroupedMLP" in out) == spec.is_moe
 
 
 def test_dry_run_refuses_what_does_not_fit():

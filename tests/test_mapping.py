@@ -137,3 +137,48 @@ def test_every_architecture_has_a_tiny_family():
 
     tiny = {t["architectures"][0] for t in TINY_FAMILIES.values()}
     assert tiny == set(FAMILIES), set(FAMILIES) ^ tiny
+
+
+def test_grouped_gemm_experts_map_as_sequential_ones():
+    """TEGroupedMLP (grouped GEMM, the GPU default where TE is) names a layer's local experts
+    ``mlp.experts.linear_fc1.weight{i}`` / ``linear_fc2.weight{i}``, TE GroupedLinear's one
+    ``weight{i}`` a GEMM of [out / expert TP, in] (TE 2.9-2.11 ``module/grouped_linear.py``);
+    megatron's SequentialMLP ``mlp.experts.local_experts.{i}.linear_fc1.weight``. At expert TP
+    2 and EP rank 1 of 2 (experts 2, 3 of 4) both map to the same HF experts, and each shard read
+    has the shape TE's weight{i} has; megatron-core's source still builds TEGroupedMLP that way
+    (the test breaks where it moves)."""
+    import inspect
+
+    from megatron.core.transformer.moe import experts
+
+    spec = model_spec_from_dict({
+        "architectures": ["Glm4MoeForCausalLM"], "num_hidden_layers": 2, "hidden_size": 32,
+        "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "vocab_size": 100, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "n_shared_experts": 1, "first_k_dense_replace": 1})
+    g = torch.Generator().manual_seed(1)
+    hf = {}
+    for e in range(4):
+        base = f"model.layers.1.mlp.experts.{e}"
+        hf[f"{base}.gate_proj.weight"] = torch.randn(16, 32, generator=g)
+        hf[f"{base}.up_proj.weight"] = torch.randn(16, 32, generator=g)
+        hf[f"{base}.down_proj.weight"] = torch.randn(32, 16, generator=g)
+    read = lambda name, index: hf[name] if index is None else hf[name][index]  # noqa: E731
+    te_shapes = {"linear_fc1": (2 * 16 // 2, 32), "linear_fc2": (32, 16 // 2)}  # ETP 2
+    for i in range(2):
+        for fc in ("linear_fc1", "linear_fc2"):
+            grouped = map_param(f"decoder.layers.0.mlp.experts.{fc}.weight{i}", spec, 1, 2)
+            sequential = map_param(f"decoder.layers.0.mlp.experts.local_experts.{i}.{fc}.weight",
+                                   spec, 1, 2)
+            assert grouped == sequential and grouped.expert == 2 + i, (grouped, sequential)
+            for etp_rank in range(2):
+                shard = shard_from_hf(grouped, read, spec, etp_rank, 2, 128)
+                assert tuple(shard.shape) == te_shapes[fc], (fc, shard.shape)
+            back = hf_from_shards(grouped, [shard_from_hf(grouped, read, spec, r, 2, 128)
+                                            for r in range(2)], spec)
+            assert all(torch.equal(t, hf[n]) for n, t in back)
+    source = inspect.getsource(experts.TEGroupedMLP.__init__)
+    assert "self.linear_fc1 = build_module(" in source and "self.linear_fc2 = build_module(" in source
+    assert "ffn_hidden_size *= 2" in source  # fc1 holds [gate; up] of each expert, as sequential's
+    assert "interchangable with SequentialMLP" in inspect.getsource(
+        experts.TEGroupedMLP.sharded_state_dict)  # checkpoints move between the two

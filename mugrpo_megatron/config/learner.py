@@ -51,11 +51,18 @@ class ModelConfig(Section):
     ``megatron_cfg.freeze_moe_router``, verl ``override_config.moe_config.freeze_moe_router``:
     NeMo-RL found the load-balancing loss, with an unfrozen router, made the train/inference
     log-prob error diverge in GRPO). A resumed run keeps the setting it started with."""
+    router_bias_update_rate: float = 0.0
+    """How fast the expert bias of sigmoid routers (GLM-4.5, DeepSeek-V3: HF
+    ``e_score_correction_bias``, which chooses experts only) follows the load after each update
+    (megatron-core / slime ``--moe-router-bias-update-rate``, 1e-3 in pretraining; RL scripts
+    of the peers pass 0 or keep 1e-3). 0: the checkpoint's bias is kept, so the policy's
+    routing changes only through what it learns; the bias is saved, exported and synced to the
+    engine either way."""
 
     def __post_init__(self) -> None:
         if self.fp8_format is not None and self.dtype == "float32":
             self._fail("dtype", "FP8 training needs dtype bfloat16 or float16")
-        self._non_negative("router_aux_loss_coeff")
+        self._non_negative("router_aux_loss_coeff", "router_bias_update_rate")
         if (self.router_load_balancing == "none") != (self.router_aux_loss_coeff == 0):
             self._fail("router_aux_loss_coeff", f"model.router_load_balancing is "
                        f"{self.router_load_balancing!r}: set both (a load-balancing loss and a "

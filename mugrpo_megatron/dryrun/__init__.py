@@ -61,6 +61,11 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"schedule: {describe_schedule(cfg)}; microbatches: {microbatch_tokens(cfg)[1]}",
         f"precision: {cfg.model.dtype}" + (f", FP8 {cfg.model.fp8_format} ({cfg.model.fp8_recipe})"
                                            if cfg.model.fp8_format else ""),
+        *([f"experts: {spec.num_experts // p.expert} a rank in each of "
+           f"{sum(spec.is_moe_layer(i) for i in range(spec.num_layers))} MoE layers, run as one "
+           f"grouped GEMM (Transformer Engine's TEGroupedMLP; {g(e['grouped_gemm']).strip()} of "
+           f"cuBLAS workspace a GPU); megatron's SequentialMLP, one GEMM an expert, on CPU"]
+          if spec.is_moe else []),
         f"per-GPU memory (sequence {e['seq_len']} tokens, {e['microbatches_in_flight']} "
         f"microbatches in flight):",
         f"  parameters      {g(e['params'])}  ({e['parameters_per_gpu'] / 1e9:.2f}B on the largest stage)",

@@ -25,11 +25,11 @@ def forward_flops(spec: ModelSpec, seq: int) -> tuple[float, float]:
     h = spec.hidden_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     attention = h * (q + 2 * kv) + q * h
-    if spec.is_moe:
-        mlp = 3 * h * spec.moe_ffn_hidden_size * spec.experts_per_token + h * spec.num_experts
-    else:
-        mlp = 3 * h * spec.ffn_hidden_size
-    gemm = 2 * seq * (spec.num_layers * (attention + mlp) + h * spec.vocab_size)
+    moe = (3 * h * (spec.moe_ffn_hidden_size * spec.experts_per_token
+                    + spec.shared_ffn_hidden_size) + h * spec.num_experts)
+    mlp = sum(moe if spec.is_moe_layer(i) else 3 * h * spec.ffn_hidden_size
+              for i in range(spec.num_layers))
+    gemm = 2 * seq * (spec.num_layers * attention + mlp + h * spec.vocab_size)
     core = spec.num_layers * 2 * seq * seq * q  # two products of seq^2 / 2 pairs, 2 FLOPs each
     return float(gemm), float(core)
 

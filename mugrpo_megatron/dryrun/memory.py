@@ -73,6 +73,11 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 H100_GIB = 79.6
 """What CUDA reports of an 80 GB H100 (81,559 MiB): the default --gpu-gib."""
 CUDA_CONTEXT = 1.0 * GIB
+GROUPED_GEMM_WORKSPACE = 4 * (32 * 2**20 + 1024)
+"""Transformer Engine's grouped GEMM (an MoE's experts, TEGroupedMLP): a cuBLAS workspace for
+each of its 4 compute streams, 32 MiB + 1 KiB each on Hopper (TE 2.11
+``cpp_extensions/gemm.py`` ``get_cublas_workspace``, ``common/util/multi_stream.cpp``), made
+once a process and never freed."""
 """CUDA context, cuBLAS/cuDNN and Transformer Engine workspaces of one process (~0.5-1 GiB)."""
 NCCL_PER_COMMUNICATOR = 0.5 * GIB
 """NCCL buffers of one communicator: NCCL_BUFFSIZE (4 MiB) per channel and peer for the Simple
@@ -211,15 +216,21 @@ class EngineTensors:
     def of(cls, spec: ModelSpec, tp: int, dtype: str) -> EngineTensors:
         w, h, hd = BYTES[dtype], spec.hidden_size, spec.head_dim
         vocab = math.ceil(spec.vocab_size / (64 * tp)) * 64  # VocabParallelEmbedding's padding
-        layer = [(spec.num_heads + 2 * spec.num_kv_heads) * hd * h / tp,  # qkv_proj
-                 h * spec.num_heads * hd / tp, h, h]  # o_proj, two norms
-        if spec.is_moe:
-            i = spec.moe_ffn_hidden_size
-            layer += [spec.num_experts * 2 * i * h / tp, spec.num_experts * h * i / tp,  # w13, w2
-                      spec.num_experts * h]  # router
-        else:
-            layer += [2 * spec.ffn_hidden_size * h / tp, h * spec.ffn_hidden_size / tp]
-        sizes = [vocab * h] + layer * spec.num_layers + [h]
+        attention = [(spec.num_heads + 2 * spec.num_kv_heads) * hd * h / tp,  # qkv_proj
+                     h * spec.num_heads * hd / tp, h, h]  # o_proj, two norms
+        dense = [2 * spec.ffn_hidden_size * h / tp, h * spec.ffn_hidden_size / tp]
+        sizes = [vocab * h]
+        for layer in range(spec.num_layers):
+            sizes += attention
+            if spec.is_moe_layer(layer):
+                i, shared = spec.moe_ffn_hidden_size, spec.shared_ffn_hidden_size
+                sizes += [spec.num_experts * 2 * i * h / tp, spec.num_experts * h * i / tp,
+                          spec.num_experts * h]  # w13, w2, router
+                if shared:
+                    sizes += [2 * shared * h / tp, h * shared / tp]
+            else:
+                sizes += dense
+        sizes.append(h)
         if not spec.tie_embeddings:
             sizes.append(vocab * h)
         return cls(tuple(n * w for n in sizes))
@@ -286,16 +297,18 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     h, tp = spec.hidden_size, p.tensor
     total = spec.num_parameters()
     embed = spec.vocab_size * h
-    layer_params = (total - embed * (1 if spec.tie_embeddings else 2) - h) / spec.num_layers
-    # an MoE layer's experts are split over TP x EP ranks, the rest over TP
-    expert_layer = spec.num_experts * 3 * h * spec.moe_ffn_hidden_size
+    # an MoE layer's routed experts are split over TP x EP ranks, the rest over TP (the first
+    # dense_layers have none)
+    moe_layers = sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
+    experts = spec.num_experts * 3 * h * spec.moe_ffn_hidden_size * moe_layers
     vocab_rows = spec.padded_vocab_size(tp) // tp
     # the first stage holds the embedding, the last the output layer (a copy when tied)
-    layers_params = (layer_params - expert_layer) / tp * spec.num_layers / p.pipeline
+    layers_params = (total - embed * (1 if spec.tie_embeddings else 2) - h - experts) / tp \
+        / p.pipeline
     dense_params = layers_params + vocab_rows * h
     if p.pipeline == 1 and not spec.tie_embeddings:
         dense_params += vocab_rows * h
-    expert_params = expert_layer / (tp * p.expert) * spec.num_layers / p.pipeline
+    expert_params = experts / (tp * p.expert) / p.pipeline
     stage_params = dense_params + expert_params
     w = BYTES[cfg.model.dtype]
     params_b = stage_params * w
@@ -341,7 +354,8 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     forward = full_layer_bytes(cfg, spec, tokens) + logits_bytes(tokens, vocab_rows,
                                                                 cfg.model.dtype, r.temperature)
     # each transition's items: the learner's, the engine's ("engine ..."), what no offload frees
-    base = {"CUDA context": CUDA_CONTEXT, "NCCL": nccl}
+    grouped = GROUPED_GEMM_WORKSPACE if spec.is_moe else 0.0
+    base = {"CUDA context": CUDA_CONTEXT, "NCCL": nccl, "grouped GEMM workspace": grouped}
     held = {**base, "FP8 caches": fp8_cache}
     items = {
         "start": {**base, "engine awake": engine_awake, "learner": learner_while_generating},
@@ -389,7 +403,8 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
         "optimizer": optim_b, "learner_state": state, "learner_at_sync": learner_at_sync,
         "activations": act, "logits": logits, "learner": state + act + logits,
         "cp_ring": cp_ring_bytes(cfg, spec),
-        "cuda_context": CUDA_CONTEXT, "nccl": nccl, "communicators": comms, "fp8_cache": fp8_cache,
+        "cuda_context": CUDA_CONTEXT, "nccl": nccl, "grouped_gemm": grouped,
+        "communicators": comms, "fp8_cache": fp8_cache,
         "engine_weights": engine_weights, "kv_cache": kv, "kv_tokens": kv / kv_per_token,
         "engine_share_max": share_max,
         "sequences_at_once": int(kv / kv_per_token // cfg.max_sequence_tokens),

@@ -38,6 +38,7 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from safetensors import safe_open
 
 from mugrpo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
@@ -141,7 +142,8 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
             moe_aux_loss_coeff=model.router_aux_loss_coeff,
             # all-to-all needs CUDA streams; all-gather works on gloo
             moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
-            moe_grouped_gemm=False)
+            # experts as one grouped GEMM where TE is (TEGroupedMLP), one at a time elsewhere
+            moe_grouped_gemm=uses_transformer_engine(model), **moe_family_kwargs(spec, model))
     rope = spec.rope_scaling
     if rope is not None and rope["rope_type"] == "yarn":
         # HF and vLLM multiply cos and sin by the attention factor m, so q.k by m^2: the same
@@ -158,6 +160,28 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
     return config
 
 
+def moe_family_kwargs(spec: ModelSpec, model: ModelConfig) -> dict[str, Any]:
+    """megatron-core's names for GLM-4.5 / DeepSeek-V3's MoE pieces (``ModelSpec``): sigmoid
+    scores, the expert bias that only chooses (its update rate ``model.router_bias_update_rate``,
+    0 under RL: the checkpoint's bias kept), the scaling of the chosen weights, group-limited
+    choice, shared experts, the first layers dense."""
+    kw: dict[str, Any] = {}
+    if spec.router_score != "softmax":
+        kw["moe_router_score_function"] = spec.router_score
+    if spec.router_expert_bias:
+        kw.update(moe_router_enable_expert_bias=True,
+                  moe_router_bias_update_rate=model.router_bias_update_rate)
+    if spec.router_scaling is not None and spec.router_scaling != 1.0:
+        kw["moe_router_topk_scaling_factor"] = spec.router_scaling
+    if spec.router_groups is not None:
+        kw["moe_router_num_groups"], kw["moe_router_group_topk"] = spec.router_groups
+    if spec.shared_ffn_hidden_size:
+        kw["moe_shared_expert_intermediate_size"] = spec.shared_ffn_hidden_size
+    if spec.dense_layers:
+        kw["moe_layer_freq"] = [int(spec.is_moe_layer(i)) for i in range(spec.num_layers)]
+    return kw
+
+
 def rope_fusion(te: bool) -> dict[str, bool]:
     """TE's fused RoPE wherever Transformer Engine runs. Packed (THD) rows need it: megatron's
     unfused THD RoPE (``rope_utils._apply_rotary_pos_emb_thd``, megatron-core 0.16.1) reads each
@@ -171,7 +195,8 @@ def rope_fusion(te: bool) -> dict[str, bool]:
 def gpt_model_kwargs(spec: ModelSpec) -> dict[str, Any]:
     """``GPTModel`` arguments for the positional embedding."""
     kw: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": spec.rope_theta,
-                          "max_sequence_length": spec.max_position_embeddings}
+                          "max_sequence_length": spec.max_position_embeddings,
+                          "rotary_percent": spec.rotary_fraction}
     if spec.rope_scaling is not None:
         kind = spec.rope_scaling["rope_type"]
         factor = float(spec.rope_scaling["factor"])
@@ -246,22 +271,42 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | 
                vp_stage: int | None = None):
     """Transformer Engine's layer spec where TE and a GPU are present, megatron's local one else.
 
-    With sequence parallel on the local spec, the whole block's spec (this stage's layers and the
-    final norm) with ``SequenceParallelRMSNorm`` in place of megatron's torch norms."""
+    With sequence parallel on the local spec, or dense layers before the experts (GLM-4.5's
+    first_k_dense_replace), the whole block's spec: this stage's layers, each dense or MoE,
+    and the final norm, with ``SequenceParallelRMSNorm`` in place of megatron's torch norms."""
     if uses_transformer_engine(model):
         from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_block_spec,
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=spec.num_experts or None, moe_grouped_gemm=False,
+        if spec.dense_layers and config is not None:  # dense or MoE per config.moe_layer_freq
+            return get_gpt_decoder_block_spec(config, use_transformer_engine=True,
+                                              qk_layernorm=spec.qk_norm, vp_stage=vp_stage)
+        return get_gpt_layer_with_transformer_engine_spec(  # experts: TEGroupedMLP
+            num_experts=spec.num_experts or None, moe_grouped_gemm=spec.is_moe,
             qk_layernorm=spec.qk_norm)
     if model.fp8_format is not None and torch.cuda.is_available():
         raise ValueError("model.fp8_format: FP8 needs Transformer Engine, which is not "
                          "importable here")
-    local = get_gpt_layer_local_spec(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
+    sp = config is not None and config.sequence_parallel
+    moe = _local_layer(spec, config, spec.num_experts or None)
+    if config is None or not (sp or spec.dense_layers):
+        return moe
+    dense = _local_layer(spec, config, None) if spec.dense_layers else moe
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    layers = [moe if spec.is_moe_layer(first + i) else dense
+              for i in range(get_num_layers_to_build(config, vp_stage=vp_stage))]
+    norm = ModuleSpec(module=SequenceParallelRMSNorm) if sp else moe.submodules.input_layernorm
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
+
+
+def _local_layer(spec: ModelSpec, config: TransformerConfig | None, experts: int | None):
+    """megatron's local layer spec, dense (``experts`` None) or MoE, with our core attention
+    under CP (megatron's own refuses it) and, with sequence parallel, our norms."""
+    local = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                      qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    if config is not None and config.context_parallel_size > 1:  # megatron's own refuses CP
+    if config is not None and config.context_parallel_size > 1:
         from mugrpo_megatron.learner.context import ContextParallelAttention
 
         local.submodules.self_attention.submodules.core_attention = ContextParallelAttention
@@ -273,8 +318,7 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | 
     if spec.qk_norm:  # megatron's torch norm refuses any model with sequence parallel on
         attention = local.submodules.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = norm
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[local] * layers, layer_norm=norm)
+    return local
 
 
 def build_chunks(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -> list[GPTModel]:
@@ -320,10 +364,12 @@ def expert_offset(spec: ModelSpec) -> int:
 
 
 def named_hf_params(chunk: torch.nn.Module, spec: ModelSpec):
-    """(megatron name, parameter, ParamMap) for every parameter of a chunk."""
+    """(megatron name, parameter, ParamMap) for every parameter of a chunk, and the routers'
+    expert bias (a buffer: HF's ``e_score_correction_bias``, loaded, exported and synced)."""
     layers = global_layer_numbers(chunk)
     offset = expert_offset(spec)
-    for name, param in chunk.named_parameters():
+    biases = [(n, b) for n, b in chunk.named_buffers() if n.endswith("router.expert_bias")]
+    for name, param in [*chunk.named_parameters(), *biases]:
         parts = name.split(".")
         layer = None
         if "layers" in parts:

@@ -27,6 +27,31 @@ def _qwen3_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
                 router_pre_softmax=not cfg.get("norm_topk_prob", False))
 
 
+def _glm4_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """GLM-4.5's MoE (DeepSeek-V3's too): sigmoid scores with a correction bias that only
+    chooses the experts, the chosen scores renormalised and scaled, shared experts beside them,
+    group-limited choice, the first layers dense."""
+    if not cfg.get("norm_topk_prob", True) and int(cfg["num_experts_per_tok"]) > 1:
+        raise ValueError(f"{source}: norm_topk_prob=false is not supported (megatron-core "
+                         f"renormalises sigmoid top-k scores whenever top-k > 1)")
+    groups, group_topk = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    topk = int(cfg["num_experts_per_tok"])
+    if groups > 1 and topk // group_topk != 2:
+        raise ValueError(f"{source}: n_group={groups} with topk_group={group_topk} and "
+                         f"num_experts_per_tok={topk}: HF scores a group by its top 2 experts, "
+                         f"megatron-core by its top num_experts_per_tok / topk_group = "
+                         f"{topk // group_topk}; they agree only when that is 2")
+    return dict(num_experts=int(cfg.get("n_routed_experts") or cfg["num_local_experts"]),
+                moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]), router_pre_softmax=False,
+                shared_ffn_hidden_size=int(cfg["moe_intermediate_size"])
+                * int(cfg.get("n_shared_experts") or 0),
+                router_score="sigmoid", router_expert_bias=True,
+                router_scaling=float(cfg.get("routed_scaling_factor") or 1.0),
+                router_groups=(groups, group_topk) if groups > 1 else None,
+                dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+                mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
+
+
 def _mixtral_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     return dict(num_experts=int(cfg["num_local_experts"]),
                 moe_ffn_hidden_size=int(cfg["intermediate_size"]), router_pre_softmax=False)
@@ -53,8 +78,8 @@ class MoeLayout:
     down: str
     """Names of one expert's gate, up and down projections."""
     read: Callable[[dict[str, Any], str], dict[str, Any]]
-    """config.json -> num_experts, moe_ffn_hidden_size, router_pre_softmax (ValueError naming the
-    source for what is unsupported)."""
+    """config.json -> num_experts, moe_ffn_hidden_size, router_pre_softmax and any other MoE
+    field of ``ModelSpec`` (ValueError naming the source for what is unsupported)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +93,10 @@ class Family:
     """Biases on the query, key and value projections (else as the config's attention_bias)."""
     qk_norm: bool = False
     """RMSNorm on each head's queries and keys."""
+    qk_norm_flag: str | None = None
+    """Config key that turns the q/k norm on (GLM-4.5's use_qk_norm); None: ``qk_norm``."""
+    rotary_fraction: float = 1.0
+    """partial_rotary_factor where the config does not say (transformers' default for it)."""
     sliding_window_flag: str | None = None
     """Config key that must be true for ``sliding_window`` to apply (Qwen's use_sliding_window);
     None: ``sliding_window`` applies whenever it is set."""
@@ -83,6 +112,9 @@ FAMILIES: dict[str, Family] = {
                                   moe=MoeLayout("mlp", "gate_proj", "up_proj", "down_proj",
                                                 _qwen3_moe)),
     "MixtralForCausalLM": Family(moe=MoeLayout("block_sparse_moe", "w1", "w3", "w2", _mixtral_moe)),
+    "Glm4MoeForCausalLM": Family(qk_norm_flag="use_qk_norm", rotary_fraction=0.5,
+                                 moe=MoeLayout("mlp", "gate_proj", "up_proj", "down_proj",
+                                               _glm4_moe)),
 }
 """The supported HF architectures."""
 
@@ -120,6 +152,23 @@ class ModelSpec:
     router_pre_softmax: bool = False
     """True: the top-k probabilities are the softmax over all experts (not renormalised); False:
     renormalised over the chosen k (Qwen3-MoE's norm_topk_prob, Mixtral)."""
+    shared_ffn_hidden_size: int = 0
+    """Hidden size of the shared experts' SwiGLU beside the routed ones (0: none)."""
+    router_score: str = "softmax"
+    """'softmax', or 'sigmoid' (GLM-4.5, DeepSeek-V3: each expert's score on its own)."""
+    router_expert_bias: bool = False
+    """A per-expert bias added to the scores to choose the experts only (HF
+    ``e_score_correction_bias``; megatron ``router.expert_bias``)."""
+    router_scaling: float | None = None
+    """Factor on the chosen experts' weights (routed_scaling_factor)."""
+    router_groups: tuple[int, int] | None = None
+    """Group-limited routing: (groups, groups chosen a token)."""
+    dense_layers: int = 0
+    """The first layers have a dense MLP (ffn_hidden_size) instead of experts."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers in the checkpoint: not loaded, trained or exported."""
+    rotary_fraction: float = 1.0
+    """Share of each head's dimensions rotated by RoPE (partial_rotary_factor)."""
 
     @property
     def family(self) -> Family:
@@ -128,6 +177,10 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether 0-based ``layer`` has experts (the first ``dense_layers`` do not)."""
+        return self.is_moe and layer >= self.dense_layers
 
     @property
     def heads_per_group(self) -> int:
@@ -146,11 +199,13 @@ class ModelSpec:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * hd
-        mlp = (self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
-               if self.is_moe else 3 * h * f)
-        layer = attn + mlp + 2 * h
+        moe = (self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
+               + 3 * h * self.shared_ffn_hidden_size
+               + (self.num_experts if self.router_expert_bias else 0))
+        dense = self.dense_layers if self.is_moe else self.num_layers
+        layers = dense * (attn + 3 * h * f + 2 * h) + (self.num_layers - dense) * (attn + moe + 2 * h)
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        return layers + embed + h
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Megatron splits whole query groups over TP ranks; refuse layouts it cannot represent."""
@@ -163,9 +218,12 @@ class ModelSpec:
                 f"heads (query groups) of {self.architecture}; megatron-core would need KV heads "
                 f"replicated across TP ranks, which this learner does not do. Use a TP size that "
                 f"divides {self.num_kv_heads}.")
-        mlp = self.moe_ffn_hidden_size if self.is_moe else self.ffn_hidden_size
-        if mlp % tp:
-            raise ValueError(f"parallel.tensor: {tp} does not divide the MLP size {mlp}")
+        sizes = ([self.moe_ffn_hidden_size, self.shared_ffn_hidden_size] if self.is_moe else [])
+        if not self.is_moe or self.dense_layers:
+            sizes.append(self.ffn_hidden_size)
+        for mlp in sizes:
+            if mlp % tp:
+                raise ValueError(f"parallel.tensor: {tp} does not divide the MLP size {mlp}")
 
     def check_expert_parallel(self, ep: int) -> None:
         if ep > 1 and not self.is_moe:
@@ -212,6 +270,9 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
     if family.moe is not None:
         moe = family.moe.read(cfg, source)
         moe["experts_per_token"] = int(cfg["num_experts_per_tok"])
+    rotary = cfg.get("partial_rotary_factor")
+    if isinstance(rope_params, dict):  # transformers 5 may keep it with the rope parameters
+        rotary = rope_params.get("partial_rotary_factor", rotary)
     return ModelSpec(
         architecture=arch,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -223,12 +284,13 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
         vocab_size=int(cfg["vocab_size"]),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family.qkv_bias or bool(cfg.get("attention_bias")),
-        qk_norm=family.qk_norm,
+        qk_norm=bool(cfg.get(family.qk_norm_flag)) if family.qk_norm_flag else family.qk_norm,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta or 10000.0),
         rope_scaling=rope_scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         sliding_window=int(sliding) if sliding else None,
         init_std=float(cfg.get("initializer_range", 0.02)),
+        rotary_fraction=float(rotary or family.rotary_fraction),
         **moe,
     )

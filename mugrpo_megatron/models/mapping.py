@@ -13,9 +13,13 @@ Layouts (per tensor-parallel rank ``r`` of ``tp``):
 - ``row``: ``linear_proj`` and ``linear_fc2`` split along dim 1.
 - ``replicated``: norms (input, pre-MLP, final, q/k norms) and MoE routers are whole on every rank.
 
-MoE experts (megatron's SequentialMLP): expert-parallel rank ``e`` holds experts
-[e E/ep, (e+1) E/ep) as ``local_experts.{i}``, each with the ``gate_up`` / ``row`` layouts above
-over the expert tensor-parallel group (the TP size), in HF's per-expert names.
+MoE experts (megatron's SequentialMLP, or TEGroupedMLP's grouped GEMM: ``_EXPERT``):
+expert-parallel rank ``e`` holds experts [e E/ep, (e+1) E/ep) as ``local_experts.{i}``, each
+with the ``gate_up`` / ``row`` layouts above over the expert tensor-parallel group (the TP
+size), in HF's per-expert names. Shared experts
+(GLM-4.5, DeepSeek-V3: ``mlp.shared_experts``) are a dense SwiGLU over the TP group; the
+router's expert bias (megatron's ``expert_bias`` buffer, HF's ``e_score_correction_bias``) is
+replicated like the router.
 """
 
 from __future__ import annotations
@@ -35,7 +39,16 @@ Kind = Literal["vocab", "qkv", "gate_up", "row", "replicated"]
 Reader = Callable[[str, "tuple[slice, ...] | None"], torch.Tensor]
 
 _LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(?P<seq>\d+)\.(?P<fc>linear_fc[12])\.weight"
+                     r"|(?P<gfc>linear_fc[12])\.weight(?P<gemm>\d+))$")
+"""A local expert's weights: megatron's SequentialMLP (``local_experts.{i}.linear_fc1.weight``,
+CPU and GPUs without TE) or TEGroupedMLP, grouped GEMM (``linear_fc1.weight{i}``: TE's
+GroupedLinear registers one ``weight{i}`` a local expert, [out / expert TP, in], TE 2.9-2.11
+``pytorch/module/grouped_linear.py``, built by megatron-core 0.16.1 ``transformer/moe/
+experts.py`` TEGroupedMLP with fc1's output 2 x moe_ffn_hidden_size, [gate; up] as
+SequentialMLP's, and fc2's input divided over the expert TP group,
+``extensions/transformer_engine.py`` TEGroupedLinear). Both name and shape one expert's
+weights alike; their checkpoints are interchangeable (TEGroupedMLP.sharded_state_dict)."""
 _HF_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 # megatron suffix within a layer -> (kind, HF suffixes within "model.layers.{i}.")
@@ -53,6 +66,9 @@ _LAYER_TABLE: dict[str, tuple[Kind, tuple[str, ...]]] = {
     "mlp.linear_fc1.layer_norm_weight": ("replicated", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
+    "mlp.shared_experts.linear_fc1.weight": (
+        "gate_up", ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")),
+    "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.shared_experts.down_proj.weight",)),
 }
 _TOP_TABLE: dict[str, tuple[Kind, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
@@ -97,12 +113,16 @@ def map_param(name: str, spec: ModelSpec, global_layer: int | None = None,
             raise ValueError(f"{name}: a layer parameter needs its global layer number")
         suffix = m.group(2)
         layer = f"model.layers.{global_layer}"
-        if spec.is_moe and (suffix == "mlp.router.weight" or _EXPERT.match(suffix)):
+        if spec.is_moe and (suffix in ("mlp.router.weight", "mlp.router.expert_bias")
+                            or _EXPERT.match(suffix)):
             moe = spec.family.moe
             module, gate, up, down = moe.module, moe.gate, moe.up, moe.down
             if suffix == "mlp.router.weight":
                 return ParamMap("replicated", (f"{layer}.{module}.gate.weight",))
-            local, fc = _EXPERT.match(suffix).groups()
+            if suffix == "mlp.router.expert_bias":
+                return ParamMap("replicated", (f"{layer}.{module}.gate.e_score_correction_bias",))
+            m = _EXPERT.match(suffix)
+            local, fc = (m["seq"], m["fc"]) if m["seq"] is not None else (m["gemm"], m["gfc"])
             e = expert_offset + int(local)
             base = f"{layer}.{module}.experts.{e}"
             if fc == "linear_fc1":
@@ -231,7 +251,10 @@ def shard_pieces(pm: ParamMap, shard: torch.Tensor, spec: ModelSpec, tp_rank: in
 
 
 def _mlp_size(pm: ParamMap, spec: ModelSpec) -> int:
-    return spec.moe_ffn_hidden_size if pm.expert is not None else spec.ffn_hidden_size
+    if pm.expert is not None:
+        return spec.moe_ffn_hidden_size
+    return spec.shared_ffn_hidden_size if ".shared_experts." in pm.hf_names[0] \
+        else spec.ffn_hidden_size
 
 
 def _row_input_size(pm: ParamMap, spec: ModelSpec) -> int:

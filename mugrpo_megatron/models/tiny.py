@@ -62,6 +62,15 @@ TINY_FAMILIES: dict[str, dict] = {
                   "moe_intermediate_size": 64, "norm_topk_prob": True, "decoder_sparse_step": 1},
     "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    # GLM-4.5's MoE (DeepSeek-V3's): sigmoid scores with a correction bias, top-2 renormalised
+    # and scaled by 2.5, 4 experts in 2 groups of which a token's experts come from 1, a shared
+    # expert, layer 0 dense; QKV bias, q/k norm, RoPE on half of each head
+    "glm4_moe": {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+                 "head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 64, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                 "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 2,
+                 "topk_group": 1, "attention_bias": True, "use_qk_norm": True,
+                 "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 0},
 }
 
 
@@ -102,5 +111,10 @@ def make_tiny_checkpoint(out_dir: str | Path, family: str = "llama", *, seed: in
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("gate.weight") and not p.any():  # GLM's router starts at zero
+                p.normal_(0.0, init_std)
+        for name, b in model.named_buffers():  # an expert bias that changes which experts win
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
     model.save_pretrained(str(out), safe_serialization=True)
     return out
