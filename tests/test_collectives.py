@@ -40,7 +40,11 @@ LAYOUTS = {
           "parallel.distributed_optimizer=true"]),
         ("llama-3.1-70b_16x8xh100_32k (TP8 SP x PP4 x CP4 -> TP2 SP x PP2 x CP2)", "llama",
          ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2",
-          "parallel.context=2", "parallel.pack_tokens=0"])],
+          "parallel.context=2", "parallel.pack_tokens=0"]),
+        # Qwen3-235B-A22B's layout (TP4 SP x PP2 x DP16 with EP16 on 128 GPUs: README, MoE)
+        ("qwen3-235b-a22b (TP4 SP x PP2 x EP16 -> TP2 SP x PP2 x DP2 EP2)", "qwen3_moe",
+         ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2",
+          "parallel.expert=2", "parallel.distributed_optimizer=true"])],
 }
 CASES = [(ranks, i) for ranks, jobs in LAYOUTS.items() for i in range(len(jobs))]
 
@@ -127,16 +131,19 @@ def test_the_dry_run_counts_every_communicator_a_rank_uses(results, ranks, job):
         assert len(groups) + len(peers) <= learner, (rank, sorted(groups), peers, counted)
 
 
-@pytest.mark.parametrize("ranks, job", [(4, 0), (8, 0), (8, 1)],
-                         ids=["qwen2.5-math-7b", "llama-3.1-70b", "llama-3.1-70b-32k-cp"])
+@pytest.mark.parametrize("ranks, job", [(4, 0), (8, 0), (8, 1), (8, 2)],
+                         ids=["qwen2.5-math-7b", "llama-3.1-70b", "llama-3.1-70b-32k-cp",
+                              "qwen3-235b-a22b-moe"])
 def test_a_sync_sends_each_rank_its_shards(results, ranks, job):
     """Where the engine's TP ranks are the learner's (the 7B and 70B configs: vLLM spmd at the
     learner's TP size; under context parallelism too, whose ranks hold the same weights as DP
     ranks do and feed their own engine ranks), a sync's stream skips the TP gathers of the attention and MLP
     projections and broadcasts shards over PP: every rank sends and receives about 1/TP of
     their bytes, plus the vocabulary and norms that travel whole; and each engine rank's slice
-    of every tensor is bit for bit the full stream's (zeros elsewhere). Bytes counted from the
-    collectives each rank issued (``collective_log.bytes_moved``: NCCL's ring algorithms)."""
+    of every tensor is bit for bit the full stream's (zeros elsewhere). An MoE's experts too
+    (the scaled-down 235B layout): each rank gathers its TP slice of the other expert-parallel
+    ranks' experts, not every expert whole. Bytes counted from the collectives each rank issued
+    (``collective_log.bytes_moved``: NCCL's ring algorithms)."""
     got = results[ranks, job]
     assert got["sharded_as_engine_keeps"]
     kept = got["kept_bytes"]

@@ -60,6 +60,10 @@ def jobs(engine: str) -> dict[str, dict]:
         *spmd, "parallel.pipeline=2"], "bucket_bytes": SMALL_BUCKET}
     out["spmd_tp2_tp2pp2"] = {"ranks": 4, "model": "qwen2_tied", "overrides": [
         *spmd, "parallel.pipeline=2", "parallel.tensor=2"], "bucket_bytes": SMALL_BUCKET}
+    # an MoE learner at TP2 x EP2 feeding its engine ranks their TP slices of every expert
+    out["spmd_tp2_moe_tp2ep2"] = {"ranks": 4, "model": "qwen3_moe", "overrides": [
+        *spmd, "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2"],
+        "bucket_bytes": SMALL_BUCKET}
     for placement in ("rank0", "spmd"):
         out[f"placement_{placement}"] = {
             "ranks": 2, "model": "llama", "overrides": [
@@ -185,6 +189,17 @@ def test_spmd_replicas_take_every_layer(workdir, ranks, layout):
     # the replica's own group times out with the run (parallel.timeout_minutes, 180 by
     # default), not after torch's default 30 minutes
     assert r["replica_group_timeout_s"] == 180 * 60, r["replica_group_timeout_s"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")
+def test_spmd_engine_ranks_take_their_slices_of_every_expert(workdir):
+    """An MoE learner at TP2 x EP2 with vLLM replicas at TP2 on its ranks: each rank streams its
+    TP slice of the experts of both expert-parallel ranks (zeros elsewhere), which vLLM's
+    FusedMoE (TP-sharded experts) narrows to what it keeps; the contract holds, a permuted
+    expert order is still caught."""
+    r = run(workdir, "vllm", "spmd_tp2_moe_tp2ep2")
+    assert r["engine_sharded"] and r["replicas"] == 2, r
+    assert "permute_experts" in r["gaps"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")

@@ -15,7 +15,12 @@ streams full-shape HF tensors that hold its own shard (zeros elsewhere; vLLM's c
 loaders narrow every tensor to the rank's slice and read nothing else), and the PP broadcast
 carries the shards. A rank then sends and receives 1/TP of those bytes (at 70B, TP 8: ~17 GB of
 the 137 GB of projections a sync, not 137 GB); the vocabulary (megatron and vLLM pad and split it
-differently), norms and MoE experts travel whole as before.
+differently) and norms travel whole. An MoE's experts likewise, where the learner's expert
+tensor-parallel group is its TP group (megatron's default): vLLM's FusedMoE without expert
+parallelism keeps TP rank r's slice of every expert (its moe_intermediate_size split as a dense
+MLP's), so each rank gathers only that slice of the other expert-parallel ranks' experts (an
+all-gather over the EP group, none over TP) instead of every expert whole: 1/TP of the experts'
+bytes, which are ~95% of an MoE's.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
     ep = _ExpertGroups(spec)
     tp_rank = mpu.get_tensor_model_parallel_rank()
     sharded = engine_sharded and tp_size > 1
+    ep.sharded = sharded and spec.is_moe and _expert_tp_is_tp(tp_group)
     for stage in range(pp_size):
         owner = stage == pp_rank
         # the owning stage tells the others what it will send: per tensor (name, shape, dtype,
@@ -157,20 +163,36 @@ class _ExpertGroups:
     def tp_size(self, pm: ParamMap, tp_size: int) -> int:
         return mpu.get_expert_tensor_parallel_world_size() if pm.expert is not None else tp_size
 
+    def same_expert(self, pm: ParamMap) -> list[ParamMap]:
+        """``pm`` for the expert at the same local index on every expert-parallel rank."""
+        i = pm.expert - self.offset
+        return [pm.for_expert(r * self.local + i) for r in range(self.size)]
 
-def _engine_sharded(pm: ParamMap, tp_rank: int | None) -> bool:
+    sharded: bool = False
+    """Experts stream as this rank's TP slices (``_expert_tp_is_tp``)."""
+
+
+def _expert_tp_is_tp(tp_group) -> bool:
+    """Whether the learner's expert tensor-parallel group is its TP group, so that a rank's
+    expert shards are the slices its engine TP rank keeps."""
+    etp = mpu.get_expert_tensor_parallel_group()
+    return dist.get_process_group_ranks(etp) == dist.get_process_group_ranks(tp_group)
+
+
+def _engine_sharded(pm: ParamMap, tp_rank: int | None, ep: _ExpertGroups) -> bool:
     """Whether ``pm`` streams as this rank's shard (``iter_hf_tensors(engine_sharded=True)``)."""
-    return tp_rank is not None and pm.expert is None and pm.kind in ENGINE_SHARDED
+    return tp_rank is not None and pm.kind in ENGINE_SHARDED and (pm.expert is None or ep.sharded)
 
 
 def _sent(param: torch.Tensor, pm: ParamMap, spec: ModelSpec, tp_size: int, tp_rank: int,
           ep: _ExpertGroups, sharded: bool) -> list[tuple[str, tuple[int, ...], tuple | None]]:
     """What the owning stage sends of one parameter: (HF name, shape sent, place), ``place``
     the full tensor's shape and the index of the shard in it where only the shard is sent."""
-    if _engine_sharded(pm, tp_rank if sharded else None):
+    if _engine_sharded(pm, tp_rank if sharded else None, ep):
+        owners = [pm] if pm.expert is None else ep.same_expert(pm)
         return [(name, tuple(part.shape), (full, tuple((i.start, i.stop) for i in index)))
-                for name, full, index, part in
-                shard_pieces(pm, param.to("meta"), spec, tp_rank, tp_size)]
+                for owner in owners for name, full, index, part in
+                shard_pieces(owner, param.to("meta"), spec, tp_rank, tp_size)]
     return [(name, tuple(shape), None) for names in ep.names(pm)
             for name, shape in zip(names, _hf_shapes(param, pm, ep.tp_size(pm, tp_size), spec))]
 
@@ -182,9 +204,21 @@ def _produce(entries, tensor_of, spec, tp_size, tp_group, ep: _ExpertGroups,
     parameters of ``ENGINE_SHARDED`` kinds yield this rank's pieces of their HF tensors instead
     (views of the parameter: the stream copies them into full-shape tensors)."""
     for param, pm in entries:
-        if _engine_sharded(pm, tp_rank):
-            yield from ((name, part, False) for name, _, _, part in
-                        shard_pieces(pm, tensor_of(param), spec, tp_rank, tp_size))
+        if _engine_sharded(pm, tp_rank, ep):
+            pieces = shard_pieces(pm, tensor_of(param), spec, tp_rank, tp_size)
+            if pm.expert is None or ep.size == 1:
+                yield from ((name, part, False) for name, _, _, part in pieces)
+                continue
+            # this TP slice of the same expert of every expert-parallel rank, in rank order
+            group = mpu.get_expert_model_parallel_group()
+            gathered = []
+            for _, _, _, part in pieces:
+                parts = [torch.empty_like(part) for _ in range(ep.size)]
+                dist.all_gather(parts, part.contiguous(), group=group)
+                gathered.append(parts)
+            for r, names in enumerate(ep.names(pm)):
+                for j, name in enumerate(names):
+                    yield name, gathered[j][r], True
             continue
         if pm.expert is None:
             yield from _gather_tp(tensor_of(param), pm, spec, tp_size, tp_group)

@@ -124,7 +124,9 @@ def engine_slice(name: str, shape, tp_rank: int, tp: int) -> tuple[slice, ...]:
 
 
 def is_projection(name: str) -> bool:
-    return any(f".{p}." in name for p in PROJECTIONS) and ".experts." not in name
+    """An attention or MLP projection, an MoE expert's included (sliced by TP like a dense
+    MLP's where the engine keeps experts by TP)."""
+    return any(f".{p}." in name for p in PROJECTIONS)
 
 
 def same_engine_slices(full: dict, sharded: dict, layout) -> bool:
