@@ -31,6 +31,8 @@ runs at a tiny size so that the script is tested; its numbers mean nothing there
    part where vLLM is importable), against the dry run's estimate for the same model.
 8. checkpoint: a learner save and load (the distributed optimizer's model-space layout): seconds,
    the host memory the save adds over the rank's own optimizer shard, weights bit-exact after.
+9. moe_grouped: a tiny GLM-4.5 MoE whose experts run as TE's grouped GEMM (TEGroupedMLP), its
+   log-probs against transformers' (``device_moe.py``), when TE is importable.
 """
 
 from __future__ import annotations
@@ -366,7 +368,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--sections", default="ceiling,learner_bf16,offload,reshard,packing,engine,"
                                           "transitions,checkpoint,learner_fp8,fp8_odd_lengths,"
-                                          "fp8_amax_per_microbatch")
+                                          "fp8_amax_per_microbatch,moe_grouped")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     big = args.size != "tiny"
@@ -434,6 +436,10 @@ def main() -> None:
 
     if "fp8_amax_per_microbatch" in sections:
         run_section("fp8_amax_per_microbatch", amax, results)
+    if "moe_grouped" in sections:
+        from device_moe import moe_grouped
+
+        run_section("moe_grouped", lambda: moe_grouped(args, _Skip), results)
     rows = [[k, v["status"], _headline(k, v)] for k, v in results.items() if isinstance(v, dict)
             and "status" in v]
     print(table(["section", "status", "numbers"], rows))

@@ -39,6 +39,8 @@ def test_device_check_runs_every_section_it_can(tmp_path):
     assert r["packing"]["logp_diff_max"] < 1e-4 and r["packing"]["padding_frac"] > 0
     assert r["engine"]["generate"]["tokens"] > 0
     assert r["learner_fp8"]["status"] == "skipped" and "GPU" in r["learner_fp8"]["why"]
+    assert r["moe_grouped"]["status"] == "skipped" and "Transformer Engine" in \
+        r["moe_grouped"]["why"]
     assert "section" in proc.stdout  # the table
     # every section says what it checked and what it could not; the run ends with the latter
     for name, v in r.items():
