@@ -96,7 +96,8 @@ def layouts_for(family: str) -> list[str]:
         return ["ep2_distopt", "ep2_distopt_packed", "tp2_sp", "pp2"]
     return [name for name in LAYOUTS if not name.startswith("ep")
             and (family in FULL or name in ("tp2", "pp2", "tp2_sp"))
-            and (family == "llama" or ("recompute" not in name and "dp2_cp2" not in name))]
+            # recomputation and packing under CP: one family
+            and (family == "llama" or ("recompute" not in name and "cp2_" not in name))]
 
 
 def per_expert(grads: dict, family: str) -> dict:

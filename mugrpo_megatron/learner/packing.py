@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mugrpo_megatron.chunked import NO_POSITION
+
 
 def slot(n: int, align: int) -> int:
     """Tokens a sequence of ``n`` takes in a packed row whose sequences start at multiples of
@@ -159,8 +161,9 @@ def sequence_lengths(response_mask: torch.Tensor) -> list[int]:
     return [n if n > 0 else seq for n in last.tolist()]  # one read, not two a row
 
 
-NO_COLUMN = 1 << 40
-"""The position recorded for a column of ``PackedShare`` that holds no token of its sequence."""
+NO_COLUMN = NO_POSITION
+"""The position recorded for a column of ``PackedShare`` that holds no token of its sequence:
+beyond any row, as ``chunked`` reads it."""
 
 
 def thd_partition(cu_seqlens: torch.Tensor, total: int, cp: int, rank: int) -> torch.Tensor:
