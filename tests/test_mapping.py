@@ -155,7 +155,12 @@ def test_grouped_gemm_experts_map_as_sequential_ones():
         "architectures": ["Glm4MoeForCausalLM"], "num_hidden_layers": 2, "hidden_size": 32,
         "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 8, "vocab_size": 100, "n_routed_experts": 4, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16, "n_shared_experts": 1, "first_k_dense_replace": 1})
+        "moe_intermediate_size": 16, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "num_nextn_predict_layers": 1})
+    # GLM-4.5's config as read: the MTP layer counted (not loaded), RoPE on half of each head
+    # by transformers' default, one dense layer, a shared expert of the routed size
+    assert (spec.mtp_layers, spec.rotary_fraction, spec.dense_layers) == (1, 0.5, 1)
+    assert spec.shared_ffn_hidden_size == 16 and not spec.is_moe_layer(0) and spec.is_moe_layer(1)
     g = torch.Generator().manual_seed(1)
     hf = {}
     for e in range(4):

@@ -412,6 +412,10 @@ def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str 
     """Copy this rank's shards of an HF checkpoint into its chunks; every parameter is checked."""
     read = SafetensorsReader(hf_dir)
     padded = spec.padded_vocab_size(tp_size)
+    if spec.mtp_layers and dist.get_rank() == 0:
+        print(f"note: {hf_dir} has {spec.mtp_layers} multi-token-prediction layer(s) "
+              f"(num_nextn_predict_layers): not loaded, trained or exported; the engine does not "
+              f"use them for sampling either", flush=True)
     for chunk in chunks:
         for name, param, pm in named_hf_params(chunk, spec):
             if pm.expert is not None:  # experts are split over the expert tensor-parallel group
