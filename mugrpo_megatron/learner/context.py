@@ -17,7 +17,8 @@ assume for BSHD rows).
   reduce-scatter of their gradients backward) and attends from its two chunks under the causal
   mask of their global positions (packed rows: of their columns in the row, within their own
   sequence, from ``cu_seqlens_q_padded``; megatron's THD RoPE has rotated them by their
-  positions within it). Exact, and simple; its cost is the whole sequence's K and V on
+  positions within it; the mask is T / CP x T booleans a layer, as large as the scores: a CPU
+  path only). Exact, and simple; its cost is the whole sequence's K and V on
   every rank (2 x s x heads_kv x head_dim a layer, as without CP) and s/CP x s scores: it saves
   no attention memory, only the rest of the layer's. On GPUs Transformer Engine's attention does
   CP itself (ring exchange of K/V chunks, ``cp_comm_type`` p2p: megatron-core's default, overlaps
@@ -75,9 +76,7 @@ class PackedChunkSplit:
         self.num_chunks = 2 * cp_size
         self.cp_size, self.cp_rank, self.group = cp_size, cp_rank, group
 
-    def reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        dist.all_reduce(x, op=op, group=self.group)
-        return x
+    reduce = ChunkSplit.reduce
 
 
 def packed_split_for(whole: PackedRow) -> PackedChunkSplit:

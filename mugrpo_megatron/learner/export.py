@@ -157,8 +157,7 @@ class _ExpertGroups:
         parameter that is not an expert's)."""
         if pm.expert is None or self.size == 1:
             return [pm.hf_names]
-        i = pm.expert - self.offset
-        return [pm.for_expert(r * self.local + i).hf_names for r in range(self.size)]
+        return [other.hf_names for other in self.same_expert(pm)]
 
     def tp_size(self, pm: ParamMap, tp_size: int) -> int:
         return mpu.get_expert_tensor_parallel_world_size() if pm.expert is not None else tp_size
@@ -205,38 +204,35 @@ def _produce(entries, tensor_of, spec, tp_size, tp_group, ep: _ExpertGroups,
     (views of the parameter: the stream copies them into full-shape tensors)."""
     for param, pm in entries:
         if _engine_sharded(pm, tp_rank, ep):
-            pieces = shard_pieces(pm, tensor_of(param), spec, tp_rank, tp_size)
-            if pm.expert is None or ep.size == 1:
-                yield from ((name, part, False) for name, _, _, part in pieces)
-                continue
-            # this TP slice of the same expert of every expert-parallel rank, in rank order
-            group = mpu.get_expert_model_parallel_group()
-            gathered = []
-            for _, _, _, part in pieces:
-                parts = [torch.empty_like(part) for _ in range(ep.size)]
-                dist.all_gather(parts, part.contiguous(), group=group)
-                gathered.append(parts)
-            for r, names in enumerate(ep.names(pm)):
-                for j, name in enumerate(names):
-                    yield name, gathered[j][r], True
-            continue
-        if pm.expert is None:
+            items = [(name, part, False) for name, _, _, part in
+                     shard_pieces(pm, tensor_of(param), spec, tp_rank, tp_size)]
+        elif pm.expert is None:
             yield from _gather_tp(tensor_of(param), pm, spec, tp_size, tp_group)
             continue
-        full = _gather_tp(tensor_of(param), pm, spec, ep.tp_size(pm, tp_size),
-                          mpu.get_expert_tensor_parallel_group())
-        if ep.size == 1:
-            yield from full
+        else:
+            items = _gather_tp(tensor_of(param), pm, spec, ep.tp_size(pm, tp_size),
+                               mpu.get_expert_tensor_parallel_group())
+        if pm.expert is None or ep.size == 1:
+            yield from items
             continue
-        group = mpu.get_expert_model_parallel_group()
-        gathered = []
-        for _, t, _ in full:
-            parts = [torch.empty_like(t) for _ in range(ep.size)]
-            dist.all_gather(parts, t.contiguous(), group=group)
-            gathered.append(parts)
-        for r, names in enumerate(ep.names(pm)):
-            for j, name in enumerate(names):
-                yield name, gathered[j][r], True
+        # the same expert of every expert-parallel rank: whole, or this rank's TP slice of it
+        yield from _gather_experts([t for _, t, _ in items], pm, ep)
+
+
+def _gather_experts(parts: list[torch.Tensor], pm: ParamMap, ep: _ExpertGroups
+                    ) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """``parts`` (this rank's expert's HF tensors, whole or this rank's TP slices of them) of
+    the same local expert on every expert-parallel rank, in rank order: one all-gather over the
+    EP group a tensor, every member of it issuing as many (each holds as many local experts)."""
+    group = mpu.get_expert_model_parallel_group()
+    gathered = []
+    for t in parts:
+        out = [torch.empty_like(t) for _ in range(ep.size)]
+        dist.all_gather(out, t.contiguous(), group=group)
+        gathered.append(out)
+    for r, names in enumerate(ep.names(pm)):
+        for j, name in enumerate(names):
+            yield name, gathered[j][r], True
 
 
 def _buckets(meta: list[tuple[str, tuple, str, tuple | None]], bucket_bytes: int

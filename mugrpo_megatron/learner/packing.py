@@ -211,7 +211,10 @@ class PackedShare:
 
 
 def split_packed(p: PackedRow, cp: int, rank: int) -> PackedShare:
-    """Rank ``rank`` of ``cp``'s share of packed row ``p`` (``thd_partition``)."""
+    """Rank ``rank`` of ``cp``'s share of packed row ``p`` (``thd_partition``). Host-side, once
+    a microbatch: index tensors of T / CP columns and [n, 2 W] (n: the row's sequences, a few
+    to a few dozen), against the row's activations of T / CP x hidden x layers: nothing at any
+    scale; a loop over the row's sequences, never over tokens."""
     bounds = p.offsets(padded=True)
     for a, b in zip(bounds[:-1], bounds[1:]):
         if (b - a) % (2 * cp):

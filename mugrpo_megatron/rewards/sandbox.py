@@ -142,30 +142,28 @@ def probe(spec: SandboxSpec) -> None:
                f"bubblewrap, dnf install bubblewrap or conda install -c conda-forge bubblewrap), "
                f"the URL of a SandboxFusion service you run (http://host:8080), "
                f"{UNSAFE!r} (no isolation at all: only for programs you trust)")
-    if is_url(spec.mode):
-        got = run_python(spec, {"probe.py": "print(6 * 7)\n"}, "probe.py")
-        if got.status != "ok" or got.stdout.strip() != "42":
-            raise SandboxUnavailable(
-                f"reward.sandbox: the SandboxFusion service cannot run a program "
-                f"({got.status}: {(got.detail or got.stdout).strip()[:300] or 'no output'}). "
-                f"Start it (docker run -p 8080:8080 <its image>) or choose: {choices}")
-        return
-    if shutil.which(spec.bwrap) is None:
-        raise SandboxUnavailable(f"reward.sandbox: the OS sandbox needs bubblewrap, and "
-                                 f"{spec.bwrap!r} is not on PATH. Choose: {choices}")
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
-        raise SandboxUnavailable(f"reward.sandbox: run as root, the OS sandbox drops to a user "
-                                 f"of its own with setpriv (util-linux), which is not on PATH. "
-                                 f"Choose: {choices}")
+    if not is_url(spec.mode):
+        if shutil.which(spec.bwrap) is None:
+            raise SandboxUnavailable(f"reward.sandbox: the OS sandbox needs bubblewrap, and "
+                                     f"{spec.bwrap!r} is not on PATH. Choose: {choices}")
+        if os.geteuid() == 0 and shutil.which("setpriv") is None:
+            raise SandboxUnavailable(f"reward.sandbox: run as root, the OS sandbox drops to a "
+                                     f"user of its own with setpriv (util-linux), which is not "
+                                     f"on PATH. Choose: {choices}")
     got = run_python(spec, {"probe.py": "print(6 * 7)\n"}, "probe.py")
-    if got.status != "ok" or got.stdout.strip() != "42":
+    if got.status == "ok" and got.stdout.strip() == "42":
+        return
+    seen = f"{got.status}: {(got.detail or got.stdout).strip()[:300] or 'no output'}"
+    if is_url(spec.mode):
         raise SandboxUnavailable(
-            f"reward.sandbox: the OS sandbox cannot run a program here ({got.status}: "
-            f"{(got.detail or got.stdout).strip()[:300] or 'no output'}). Common causes: user "
-            f"namespaces are off (sysctl kernel.unprivileged_userns_clone=0 or "
-            f"user.max_user_namespaces=0, as on some clusters), or the interpreter "
-            f"{spec.interpreter} is not readable by the sandbox's user. Choose: {choices}, or "
-            f"reward.sandbox_python: an interpreter outside /root")
+            f"reward.sandbox: the SandboxFusion service cannot run a program ({seen}). Start it "
+            f"(docker run -p 8080:8080 <its image>) or choose: {choices}")
+    raise SandboxUnavailable(
+        f"reward.sandbox: the OS sandbox cannot run a program here ({seen}). Common causes: "
+        f"user namespaces are off (sysctl kernel.unprivileged_userns_clone=0 or "
+        f"user.max_user_namespaces=0, as on some clusters), or the interpreter "
+        f"{spec.interpreter} is not readable by the sandbox's user. Choose: {choices}, or "
+        f"reward.sandbox_python: an interpreter outside /root")
 
 
 def _bwrap_command(spec: SandboxSpec, code: Path, main: str, args: tuple[str, ...]) -> list[str]:
