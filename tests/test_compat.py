@@ -39,10 +39,16 @@ def test_megatron_patches_read_what_they_expect():
     params = list(inspect.signature(DistributedOptimizer._set_main_param_and_optimizer_states)
                   .parameters)
     assert params == ["self", "model_param", "tensors"], params
-    # define_missing_te_gemm: the router GEMM still chooses by this name
+    from megatron.core.transformer import multi_latent_attention
+
+    # without_transformer_engine: the router GEMM still chooses by this name, and MLA still
+    # tests TE's linear by HAVE_TE and isinstance
     assert "te_general_gemm is not None" in inspect.getsource(moe_utils)
-    compat_megatron.define_missing_te_gemm()
+    assert "HAVE_TE\n            and isinstance(self.linear_proj, TELinear)" in \
+        inspect.getsource(multi_latent_attention)
+    compat_megatron.without_transformer_engine()
     assert hasattr(moe_utils, "te_general_gemm")
+    assert not multi_latent_attention.HAVE_TE or isinstance(multi_latent_attention.TELinear, type)
     # groups_time_out_after fills in this keyword of every group megatron makes
     from megatron.core import parallel_state
 

@@ -41,6 +41,9 @@ def read_hf(path):
     # GLM-4.5's MoE at TP2 x EP2: shared experts, the router's correction bias (a buffer), a
     # dense first layer, QKV biases, q/k norms
     ("glm4_moe", {}, ["--tp", "2", "--ep", "2"]),
+    # DeepSeek-V3 at TP2 x EP2: multi-latent attention (query and key/value latents, their
+    # norms, the heads' up projections split over TP) under the same MoE
+    ("deepseek_v3", {}, ["--tp", "2", "--ep", "2"]),
 ])
 def test_round_trip_bit_exact(tmp_path, family, opts, layout):
     hf = make_tiny_checkpoint(tmp_path / "hf", family, seed=2, vocab_size=400, **opts)

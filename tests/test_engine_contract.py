@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "dist" / "engine_worker.py"
 MODELS = {"llama": {}, "qwen2_tied": {"family": "qwen2", "tie_embeddings": True},
           "qwen3": {"family": "qwen3"}, "qwen3_moe": {"family": "qwen3_moe"},
-          "qwen3_yarn": {"family": "qwen3_yarn"}, "glm4_moe": {"family": "glm4_moe"}}
+          "qwen3_yarn": {"family": "qwen3_yarn"}, "glm4_moe": {"family": "glm4_moe"},
+          "deepseek_v3": {"family": "deepseek_v3"}}
 LAYOUTS = {"tp2": ["parallel.tensor=2"], "pp2": ["parallel.pipeline=2"],
            "ep2": ["parallel.expert=2"]}
 SMALL_BUCKET = 64 << 10
@@ -30,7 +31,7 @@ def cases():
     """Every model at TP2 and PP2 (YaRN at TP2 only: it changes the rotation, not the layout); the
     MoE model also with its experts split over two ranks."""
     for model in MODELS:
-        if model == "glm4_moe":  # its own job at TP2 x EP2 (test_glm4_moe_gap_is_at_float_...)
+        if model in ("glm4_moe", "deepseek_v3"):  # their own jobs at TP2 x EP2 (test_..._gap_...)
             continue
         for layout in LAYOUTS:
             if (layout != "ep2" or model.endswith("moe")) and (layout == "tp2" or model != "qwen3_yarn"):
@@ -57,6 +58,9 @@ def jobs(engine: str) -> dict[str, dict]:
                                             "parallel.expert=2"]}
     if engine != "vllm":
         return out
+    # DeepSeek-V3's multi-latent attention under the same MoE, at TP2 x EP2 (vLLM: its CPU MLA
+    # backend; SGLang's CPU MLA not tried here)
+    out["deepseek_v3_tp2ep2"] = {**out["glm4_moe_tp2ep2"], "model": "deepseek_v3"}
     spmd = ["rollout.placement=spmd", "rollout.tensor_parallel=2"]
     out["spmd_tp2_pp2"] = {"ranks": 2, "model": "qwen2_tied", "overrides": [
         *spmd, "parallel.pipeline=2"], "bucket_bytes": SMALL_BUCKET}
@@ -142,6 +146,18 @@ def test_glm4_moe_gap_is_at_float_precision(workdir, engine):
     EP2 against the engine's own Glm4MoeForCausalLM: the gap within 1e-5 before and after an
     update."""
     gaps = run(workdir, engine, "glm4_moe_tp2ep2")["gaps"]
+    for label in ("initial", "after_step", "restored"):
+        assert gaps[label]["max"] <= 1e-5, (label, gaps[label])
+    assert "permute_experts" in gaps
+
+
+@pytest.mark.parametrize("engine", ENGINES[:1])
+def test_deepseek_v3_gap_is_at_float_precision(workdir, engine):
+    """DeepSeek-V3 (multi-latent attention with V3's YaRN, under GLM-4.5's MoE) in the learner
+    at TP2 x EP2 against vLLM's own DeepseekV3ForCausalLM (its MLA decode kernel reading the
+    latent cache, its absorbed key/value weights derived from each sync's kv_b_proj): the gap
+    within 1e-5 before and after an update."""
+    gaps = run(workdir, engine, "deepseek_v3_tp2ep2")["gaps"]
     for label in ("initial", "after_step", "restored"):
         assert gaps[label]["max"] <= 1e-5, (label, gaps[label])
     assert "permute_experts" in gaps

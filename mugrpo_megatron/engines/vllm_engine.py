@@ -22,6 +22,7 @@ engine keeps its weights.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -36,6 +37,7 @@ from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec
 from mugrpo_megatron.engines.compat_torch import torch_state_kept
 from mugrpo_megatron.engines.compat_vllm import (
     abort_requests,
+    cpu_attention_kwargs,
     external_request_id,
     finished_requests,
     group_timeout_kwargs,
@@ -88,6 +90,8 @@ class VLLMEngine(RolloutEngine):
             # A prompt prefilled in chunks makes vLLM rewind its per-request generator, which a
             # CPU generator cannot do ("CPU Generator does not use offset"): prefill whole prompts.
             kwargs.update(enable_chunked_prefill=False)
+            config = json.loads((Path(model_dir) / "config.json").read_text())
+            kwargs.update(cpu_attention_kwargs(config, dtype))
         self._spmd = spmd
         with learner_world_kept(private=not spmd), torch_state_kept(), launcher_env_kept():
             try:

@@ -69,7 +69,8 @@ def check_conversion(spec: ModelSpec, model: ModelConfig, *, tp: int, pp: int, e
     experts at TP > 1 gets sequence parallel, which megatron-core needs for it and which changes
     no weight; no optimizer, so no distributed optimizer."""
     parallel = ParallelConfig(tensor=tp, pipeline=pp, expert=ep,
-                              sequence_parallel=spec.is_moe and tp > 1, distributed_optimizer=False)
+                              sequence_parallel=(spec.is_moe or spec.mla is not None) and tp > 1,
+                              distributed_optimizer=False)
     parallel.data_parallel(world_size)
     check_model(spec, model, parallel)
     return parallel
@@ -92,6 +93,16 @@ def check_model(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -
     if spec.is_moe and parallel.tensor > 1 and not parallel.sequence_parallel:
         raise ValueError("parallel.sequence_parallel: megatron-core needs it for a "
                          "mixture-of-experts model with parallel.tensor > 1")
+    if spec.mla is not None and parallel.tensor > 1 and not parallel.sequence_parallel:
+        # megatron-core 0.16.1-0.19.2 MLA: the shared rotary key reaches every TP rank's heads
+        # through gather_from_sequence_parallel_region, whose backward sums its gradient over
+        # TP; without sequence parallel nothing sums it (each rank keeps its heads' part)
+        raise ValueError("parallel.sequence_parallel: multi-latent attention with "
+                         "parallel.tensor > 1 needs it (megatron-core sums the shared rotary "
+                         "key's gradient over TP only there)")
+    if spec.mla is not None and parallel.context > 1:
+        raise ValueError("parallel.context: context parallelism with multi-latent attention "
+                         "is not implemented yet; use parallel.context: 1")
     stages = parallel.pipeline * (parallel.virtual_pipeline or 1)
     if spec.num_layers % stages:
         raise ValueError(f"parallel.pipeline x virtual_pipeline = {stages} does not divide the "

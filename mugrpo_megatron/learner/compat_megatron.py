@@ -31,10 +31,13 @@ letting a patch go silently inert.
    - ``Tensor.type()`` compared with ``'torch.cuda.FloatTensor'`` (``distrib_optimizer.py``,
      ``optimizer.py``, ``clip_grads.py``) -> the CUDA spelling of the CPU tensor's type.
 
-2. **MoE router GEMM without TE** (``define_missing_te_gemm``): 0.16.1's fp32 router GEMM
-   (``moe_utils.router_gating_linear``) tests ``te_general_gemm is not None`` to choose TE's GEMM
-   or torch's, but defines the name only when Transformer Engine imports (NameError otherwise).
-   Define it as None so torch's is used. 0.19 defines it itself; applied only where it is missing.
+2. **Names Transformer Engine would give, where it is absent** (``without_transformer_engine``,
+   applied only there). 0.16.1's fp32 router GEMM (``moe_utils.router_gating_linear``) tests
+   ``te_general_gemm is not None`` but defines the name only when TE imports (NameError
+   otherwise): defined as None so torch's is used (0.19 defines it itself). Its MLA
+   (``multi_latent_attention.py``) takes TE for present whenever megatron's TE wrappers import,
+   which they do without TE (``TELinear`` a MagicMock stand-in), then calls
+   ``isinstance(linear_proj, TELinear)`` (TypeError): its ``HAVE_TE`` is set False.
 
 3. **Optimizer state with torch's Adam** (no apex or TE: the CPU, and GPUs without them):
    ``has_optimizer_state``, ``ensure_optimizer_state``, ``tolerate_missing_step``,
@@ -129,6 +132,8 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
     "megatron.core.tensor_parallel.random:CheckpointFunction.backward",
     "megatron.core.transformer.moe.moe_utils:router_gating_linear",
+    "megatron.core.transformer.multi_latent_attention:HAVE_TE",
+    "megatron.core.transformer.multi_latent_attention:TELinear",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
     "megatron.core.optimizer:ChainedOptimizer",
     "megatron.core.parallel_state:create_group",
@@ -248,15 +253,18 @@ def megatron_on_cpu() -> Iterator[None]:
                 _unpatch()
 
 
-# ------------------------------------------------------------------ 2. MoE router GEMM without TE
+# ------------------------------------------------------------------ 2. without TE
 
 
-def define_missing_te_gemm() -> None:
+def without_transformer_engine() -> None:
     """See part 2 of the module docstring (0.16.1 without Transformer Engine)."""
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
 
 
 # ------------------------------------------------------------------ 3. optimizer state

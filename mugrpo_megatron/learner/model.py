@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from mugrpo_megatron.learner.compat_megatron import (
-    define_missing_te_gemm,
     groups_time_out_after,
     megatron_on_cpu,
+    without_transformer_engine,
     yarn_config,
 )
 
@@ -33,6 +33,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -47,6 +49,7 @@ from mugrpo_megatron.layout import check_model
 from mugrpo_megatron.learner.fp8 import transformer_engine_ready
 from mugrpo_megatron.models.hf_config import ModelSpec
 from mugrpo_megatron.models.mapping import map_param, shard_from_hf
+from mugrpo_megatron.models.rope import latent_yarn_mscales
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -145,7 +148,11 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
             # experts as one grouped GEMM where TE is (TEGroupedMLP), one at a time elsewhere
             moe_grouped_gemm=uses_transformer_engine(model), **moe_family_kwargs(spec, model))
     rope = spec.rope_scaling
-    if rope is not None and rope["rope_type"] == "yarn":
+    if spec.mla is not None:
+        kw.update(latent_attention_kwargs(spec))
+        if uses_transformer_engine(model) and kw["rope_type"] != "yarn":
+            kw["apply_rope_fusion"] = False  # megatron's fused MLA RoPE is YaRN's only
+    elif rope is not None and rope["rope_type"] == "yarn":
         # HF and vLLM multiply cos and sin by the attention factor m, so q.k by m^2: the same
         # scores as megatron's rotation without it and a softmax scale of m^2 / sqrt(head_dim)
         # (compat_megatron part 8: why not megatron's own mscale)
@@ -154,10 +161,36 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         from mugrpo_megatron.learner.fp8 import fp8_kwargs
 
         kw.update(fp8_kwargs(model))
-    config = TransformerConfig(**kw)
-    if rope is not None and rope["rope_type"] == "yarn":
+    config = (MLATransformerConfig if spec.mla is not None else TransformerConfig)(**kw)
+    if spec.mla is None and rope is not None and rope["rope_type"] == "yarn":
         yarn_config(config, rope)
     return config
+
+
+def latent_attention_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """megatron-core's ``MLATransformerConfig`` fields for DeepSeek-V3's attention: its own
+    rotary embedding of the rope dimensions (plain, or YaRN with HF's magnitude factors:
+    ``models.rope.latent_yarn_mscales``), its own softmax scale; ``kv_channels`` is the value
+    head (the core attention's output width)."""
+    mla, rope = spec.mla, spec.rope_scaling
+    kw: dict[str, Any] = dict(
+        q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim, kv_channels=mla.v_head_dim, rotary_base=spec.rope_theta,
+        rope_type="rope", rotary_scaling_factor=1.0)
+    if rope is None:
+        return kw
+    if rope["rope_type"] != "yarn" or not rope["truncate"]:
+        raise ValueError(f"{spec.architecture}: multi-latent attention with rope_scaling "
+                         f"{rope['rope_type']!r}{'' if rope['truncate'] else ' (truncate false)'}"
+                         f" is not supported (megatron-core's MLA has plain RoPE and YaRN with "
+                         f"its correction range rounded)")
+    mscale, all_dim = latent_yarn_mscales(rope)
+    kw.update(rope_type="yarn", rotary_scaling_factor=rope["factor"],
+              original_max_position_embeddings=rope["original_max_position_embeddings"],
+              beta_fast=rope["beta_fast"], beta_slow=rope["beta_slow"], mscale=mscale,
+              mscale_all_dim=all_dim)
+    return kw
 
 
 def moe_family_kwargs(spec: ModelSpec, model: ModelConfig) -> dict[str, Any]:
@@ -197,7 +230,7 @@ def gpt_model_kwargs(spec: ModelSpec) -> dict[str, Any]:
     kw: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": spec.rope_theta,
                           "max_sequence_length": spec.max_position_embeddings,
                           "rotary_percent": spec.rotary_fraction}
-    if spec.rope_scaling is not None:
+    if spec.rope_scaling is not None and spec.mla is None:  # MLA: its own (the config's)
         kind = spec.rope_scaling["rope_type"]
         factor = float(spec.rope_scaling["factor"])
         if kind == "yarn":  # its numbers go on the config (transformer_config)
@@ -267,6 +300,25 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+class LatentCoreAttention(DotProductAttention):
+    """megatron's local core attention for multi-latent attention. 0.16.1's ``MLASelfAttention``
+    builds its core attention with ``k_channels`` (nope + rope) and ``v_channels`` (the value
+    head), which TE's attention takes and the local ``DotProductAttention`` refuses (TypeError);
+    its products need neither (q.k over the key width, p.v over the value width, the output
+    ``kv_channels`` = v_head_dim wide, the softmax scale given). Checked that they are what
+    the config says, then dropped (``Attention.__init__`` builds a first one without them,
+    which MLA's replaces)."""
+
+    def __init__(self, config: TransformerConfig, *args, k_channels: int | None = None,
+                 v_channels: int | None = None, **kwargs):
+        expected = (config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim)
+        given = k_channels is not None or v_channels is not None
+        if (given and (k_channels, v_channels) != expected) or config.kv_channels != config.v_head_dim:
+            raise ValueError(f"MLA core attention: k/v channels {(k_channels, v_channels)}, "
+                             f"kv_channels {config.kv_channels}; expected {expected}")
+        super().__init__(config, *args, **kwargs)
+
+
 def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | None = None,
                vp_stage: int | None = None):
     """Transformer Engine's layer spec where TE and a GPU are present, megatron's local one else.
@@ -274,6 +326,7 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | 
     With sequence parallel on the local spec, or dense layers before the experts (GLM-4.5's
     first_k_dense_replace), the whole block's spec: this stage's layers, each dense or MoE,
     and the final norm, with ``SequenceParallelRMSNorm`` in place of megatron's torch norms."""
+    mla = spec.mla is not None
     if uses_transformer_engine(model):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_decoder_block_spec,
@@ -281,11 +334,13 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | 
         )
 
         if spec.dense_layers and config is not None:  # dense or MoE per config.moe_layer_freq
-            return get_gpt_decoder_block_spec(config, use_transformer_engine=True,
-                                              qk_layernorm=spec.qk_norm, vp_stage=vp_stage)
+            block = get_gpt_decoder_block_spec(config, use_transformer_engine=True,
+                                               qk_layernorm=spec.qk_norm or mla,
+                                               vp_stage=vp_stage)
+            return block
         return get_gpt_layer_with_transformer_engine_spec(  # experts: TEGroupedMLP
             num_experts=spec.num_experts or None, moe_grouped_gemm=spec.is_moe,
-            qk_layernorm=spec.qk_norm)
+            qk_layernorm=spec.qk_norm or mla, multi_latent_attention=mla)
     if model.fp8_format is not None and torch.cuda.is_available():
         raise ValueError("model.fp8_format: FP8 needs Transformer Engine, which is not "
                          "importable here")
@@ -303,10 +358,24 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | 
 
 def _local_layer(spec: ModelSpec, config: TransformerConfig | None, experts: int | None):
     """megatron's local layer spec, dense (``experts`` None) or MoE, with our core attention
-    under CP (megatron's own refuses it) and, with sequence parallel, our norms."""
+    under CP (megatron's own refuses it) and, with sequence parallel, our norms (MLA: its
+    latents' norms, which megatron builds where ``qk_layernorm`` is set)."""
+    mla = spec.mla is not None
     local = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
-                                     qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    if config is not None and config.context_parallel_size > 1:
+                                     qk_layernorm=spec.qk_norm or mla,
+                                     multi_latent_attention=mla, normalization="RMSNorm")
+    if mla:
+        # the latents' down projections whole on every TP rank, as TE's spec has them (its
+        # TELinear, duplicated), with megatron's torch Linear (the one MLASelfAttention takes
+        # besides TE's): the local spec's ColumnParallelLinear sends them through
+        # gather_from_tensor_model_parallel_region, whose backward keeps each rank's slice of
+        # the rotary key's gradient from its own heads only (0.16.1-0.19.2), never summed
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        attention = local.submodules.self_attention.submodules
+        attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
+        attention.core_attention = LatentCoreAttention
+    elif config is not None and config.context_parallel_size > 1:
         from mugrpo_megatron.learner.context import ContextParallelAttention
 
         local.submodules.self_attention.submodules.core_attention = ContextParallelAttention
@@ -315,8 +384,10 @@ def _local_layer(spec: ModelSpec, config: TransformerConfig | None, experts: int
     norm = ModuleSpec(module=SequenceParallelRMSNorm)
     local.submodules.input_layernorm = norm
     local.submodules.pre_mlp_layernorm = norm
-    if spec.qk_norm:  # megatron's torch norm refuses any model with sequence parallel on
-        attention = local.submodules.self_attention.submodules
+    attention = local.submodules.self_attention.submodules
+    if mla:  # the latents are split over the sequence there, as the layer's input
+        attention.q_layernorm = attention.kv_layernorm = norm
+    elif spec.qk_norm:  # megatron's torch norm refuses any model with sequence parallel on
         attention.q_layernorm = attention.k_layernorm = norm
     return local
 
@@ -325,8 +396,7 @@ def build_chunks(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) 
     """This rank's model chunks (one per virtual pipeline stage), weights uninitialised; the
     layout checked as ``train``, the dry run and ``convert`` check it (``layout.check_model``)."""
     check_model(spec, model, parallel)
-    if spec.is_moe:
-        define_missing_te_gemm()
+    without_transformer_engine()
     config = transformer_config(spec, model, parallel)
     chunks = []
     vp = parallel.virtual_pipeline

@@ -52,6 +52,19 @@ def _glm4_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
                 mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
 
 
+def _deepseek_v3_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """DeepSeek-V3's MoE is GLM-4.5's; its config says how vLLM routes, which transformers
+    assumes: vLLM 0.32 (``models/deepseek_v2.py``) scores by ``scoring_func`` (softmax where
+    absent) and keeps the correction bias only where ``topk_method`` is ``noaux_tc``."""
+    got = (cfg.get("scoring_func"), cfg.get("topk_method"))
+    if got != ("sigmoid", "noaux_tc"):
+        raise ValueError(f"{source}: scoring_func={got[0]!r}, topk_method={got[1]!r}: only "
+                         f"DeepSeek-V3's routing is supported (scoring_func 'sigmoid', "
+                         f"topk_method 'noaux_tc', as its config.json says): transformers "
+                         f"routes so whatever the config says, vLLM reads these two fields")
+    return _glm4_moe(cfg, source)
+
+
 def _mixtral_moe(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     return dict(num_experts=int(cfg["num_local_experts"]),
                 moe_ffn_hidden_size=int(cfg["intermediate_size"]), router_pre_softmax=False)
@@ -65,6 +78,50 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 """The files of an HF model directory besides config.json and the weights that shape what the
 engine is given or the export carries: tokenizer, chat template, generation settings."""
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-latent attention (MLA): queries through a low-rank latent (or one
+    projection where ``q_lora_rank`` is None), keys and values from one shared latent of
+    ``kv_lora_rank`` plus a rotary key of ``qk_rope_head_dim`` shared by every head; each
+    latent RMS-normed."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    """Each head's query/key dimensions without rotation."""
+    qk_rope_head_dim: int
+    """Each head's rotated query dimensions, and the shared rotary key's."""
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def projections(self, heads: int, hidden: int) -> dict[str, tuple[int, int]]:
+        """HF projection (``self_attn.<name>.weight``) -> its [out, in] shape."""
+        qk, v = self.qk_head_dim, self.v_head_dim
+        q = ({"q_proj": (heads * qk, hidden)} if self.q_lora_rank is None else
+             {"q_a_proj": (self.q_lora_rank, hidden), "q_b_proj": (heads * qk, self.q_lora_rank)})
+        return {**q, "kv_a_proj_with_mqa": (self.kv_lora_rank + self.qk_rope_head_dim, hidden),
+                "kv_b_proj": (heads * (self.qk_nope_head_dim + v), self.kv_lora_rank),
+                "o_proj": (hidden, heads * v)}
+
+
+def _latent_attention(cfg: dict[str, Any], source: str) -> LatentAttention:
+    if cfg.get("rope_interleave", True) is False:
+        raise ValueError(f"{source}: rope_interleave=false is not supported (megatron-core's "
+                         f"MLA reads the rotary dimensions as interleaved pairs, as DeepSeek's "
+                         f"checkpoints and vLLM do)")
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias=true is not supported with MLA")
+    q_lora = cfg.get("q_lora_rank")
+    return LatentAttention(q_lora_rank=int(q_lora) if q_lora else None,
+                           kv_lora_rank=int(cfg["kv_lora_rank"]),
+                           qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+                           qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                           v_head_dim=int(cfg["v_head_dim"]))
+
 
 @dataclass(frozen=True)
 class MoeLayout:
@@ -100,6 +157,8 @@ class Family:
     sliding_window_flag: str | None = None
     """Config key that must be true for ``sliding_window`` to apply (Qwen's use_sliding_window);
     None: ``sliding_window`` applies whenever it is set."""
+    latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V3) in place of grouped-query attention."""
     moe: MoeLayout | None = None
 
 
@@ -115,6 +174,9 @@ FAMILIES: dict[str, Family] = {
     "Glm4MoeForCausalLM": Family(qk_norm_flag="use_qk_norm", rotary_fraction=0.5,
                                  moe=MoeLayout("mlp", "gate_proj", "up_proj", "down_proj",
                                                _glm4_moe)),
+    "DeepseekV3ForCausalLM": Family(latent_attention=True,
+                                    moe=MoeLayout("mlp", "gate_proj", "up_proj", "down_proj",
+                                                  _deepseek_v3_moe)),
 }
 """The supported HF architectures."""
 
@@ -131,6 +193,7 @@ class ModelSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    """Each head's query and key dimensions (with MLA: nope + rope)."""
     vocab_size: int
     """The tokenizer's vocabulary as the HF checkpoint stores it (unpadded)."""
     tie_embeddings: bool
@@ -169,6 +232,8 @@ class ModelSpec:
     """Multi-token-prediction layers in the checkpoint: not loaded, trained or exported."""
     rotary_fraction: float = 1.0
     """Share of each head's dimensions rotated by RoPE (partial_rotary_factor)."""
+    mla: LatentAttention | None = None
+    """Multi-latent attention's dimensions (DeepSeek-V3); None: grouped-query attention."""
 
     @property
     def family(self) -> Family:
@@ -193,12 +258,8 @@ class ModelSpec:
 
     def num_parameters(self) -> int:
         """Parameters of the unpadded HF model."""
-        h, f, hd = self.hidden_size, self.ffn_hidden_size, self.head_dim
-        attn = h * hd * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * hd * h
-        if self.qkv_bias:
-            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
-        if self.qk_norm:
-            attn += 2 * hd
+        h, f = self.hidden_size, self.ffn_hidden_size
+        attn = self.attention_weights() + self.attention_norms()
         moe = (self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h
                + 3 * h * self.shared_ffn_hidden_size
                + (self.num_experts if self.router_expert_bias else 0))
@@ -206,6 +267,27 @@ class ModelSpec:
         layers = dense * (attn + 3 * h * f + 2 * h) + (self.num_layers - dense) * (attn + moe + 2 * h)
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return layers + embed + h
+
+    def attention_weights(self) -> int:
+        """Weights of one layer's attention projections (no norms)."""
+        h, hd = self.hidden_size, self.head_dim
+        if self.mla is not None:
+            return sum(o * i for o, i in self.mla.projections(self.num_heads, h).values())
+        n = h * hd * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * hd * h
+        return n + (hd * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0)
+
+    def attention_norms(self) -> int:
+        """Weights of one layer's q/k norms (MLA: its latents' norms)."""
+        if self.mla is not None:
+            return (self.mla.q_lora_rank or 0) + self.mla.kv_lora_rank
+        return 2 * self.head_dim if self.qk_norm else 0
+
+    def kv_cache_values(self, tp: int) -> float:
+        """Values one engine rank at TP ``tp`` caches a token and layer: K and V of its heads,
+        or, with MLA, the shared latent and rotary key, whole on every rank (vLLM's MLA)."""
+        if self.mla is not None:
+            return float(self.mla.kv_lora_rank + self.mla.qk_rope_head_dim)
+        return 2 * self.num_kv_heads * self.head_dim / tp
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Megatron splits whole query groups over TP ranks; refuse layouts it cannot represent."""
@@ -270,6 +352,7 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
     if family.moe is not None:
         moe = family.moe.read(cfg, source)
         moe["experts_per_token"] = int(cfg["num_experts_per_tok"])
+    mla = _latent_attention(cfg, source) if family.latent_attention else None
     rotary = cfg.get("partial_rotary_factor")
     if isinstance(rope_params, dict):  # transformers 5 may keep it with the rope parameters
         rotary = rope_params.get("partial_rotary_factor", rotary)
@@ -280,7 +363,7 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
         ffn_hidden_size=int(cfg["intermediate_size"]),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        head_dim=mla.qk_head_dim if mla else int(cfg.get("head_dim") or hidden // heads),
         vocab_size=int(cfg["vocab_size"]),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family.qkv_bias or bool(cfg.get("attention_bias")),
@@ -292,5 +375,6 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
         sliding_window=int(sliding) if sliding else None,
         init_std=float(cfg.get("initializer_range", 0.02)),
         rotary_fraction=float(rotary or family.rotary_fraction),
+        mla=mla,
         **moe,
     )

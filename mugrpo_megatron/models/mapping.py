@@ -11,6 +11,11 @@ Layouts (per tensor-parallel rank ``r`` of ``tp``):
   ``head_dim`` rows; rank r holds groups [r G/tp, (r+1) G/tp). Weight and bias alike.
 - ``gate_up``: ``linear_fc1`` is [gate_r; up_r] on rank r (each split along dim 0 first).
 - ``row``: ``linear_proj`` and ``linear_fc2`` split along dim 1.
+- ``column``: multi-latent attention's per-head projections (DeepSeek-V3:
+  ``linear_q_up_proj``, ``linear_kv_up_proj``, ``linear_q_proj``), split along dim 0: each
+  head's rows together, rank r the heads [r H/tp, (r+1) H/tp). Its latents' down projections
+  (``linear_q_down_proj``, ``linear_kv_down_proj``) are whole on every rank, as TE's spec
+  keeps them (``TELinear`` duplicated) and ``learner/model.py`` builds them on the local one.
 - ``replicated``: norms (input, pre-MLP, final, q/k norms) and MoE routers are whole on every rank.
 
 MoE experts (megatron's SequentialMLP, or TEGroupedMLP's grouped GEMM: ``_EXPERT``):
@@ -33,7 +38,7 @@ import torch
 
 from mugrpo_megatron.models.hf_config import ModelSpec
 
-Kind = Literal["vocab", "qkv", "gate_up", "row", "replicated"]
+Kind = Literal["vocab", "qkv", "gate_up", "row", "column", "replicated"]
 # read(hf_name, index) -> tensor[index]: only the requested rows/columns are read from disk;
 # index None reads the whole tensor.
 Reader = Callable[[str, "tuple[slice, ...] | None"], torch.Tensor]
@@ -70,6 +75,24 @@ _LAYER_TABLE: dict[str, tuple[Kind, tuple[str, ...]]] = {
         "gate_up", ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")),
     "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.shared_experts.down_proj.weight",)),
 }
+_MLA_TABLE: dict[str, tuple[Kind, tuple[str, ...]]] = {
+    "self_attention.linear_q_proj.weight": ("column", ("self_attn.q_proj.weight",)),
+    "self_attention.linear_q_down_proj.weight": ("replicated", ("self_attn.q_a_proj.weight",)),
+    "self_attention.linear_q_up_proj.weight": ("column", ("self_attn.q_b_proj.weight",)),
+    "self_attention.linear_kv_down_proj.weight": (
+        "replicated", ("self_attn.kv_a_proj_with_mqa.weight",)),
+    "self_attention.linear_kv_up_proj.weight": ("column", ("self_attn.kv_b_proj.weight",)),
+    # the latents' norms: megatron's local spec (q_layernorm, kv_layernorm), or fused into the
+    # up projections by Transformer Engine's spec (TELayerNormColumnParallelLinear)
+    "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_a_layernorm.weight",)),
+    "self_attention.linear_q_up_proj.layer_norm_weight": (
+        "replicated", ("self_attn.q_a_layernorm.weight",)),
+    "self_attention.kv_layernorm.weight": ("replicated", ("self_attn.kv_a_layernorm.weight",)),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": (
+        "replicated", ("self_attn.kv_a_layernorm.weight",)),
+}
+"""Multi-latent attention's parameters (megatron-core 0.16.1 ``multi_latent_attention.py``
+``MLASelfAttention``), in place of ``_LAYER_TABLE``'s attention entries."""
 _TOP_TABLE: dict[str, tuple[Kind, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
     "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
@@ -128,9 +151,10 @@ def map_param(name: str, spec: ModelSpec, global_layer: int | None = None,
             if fc == "linear_fc1":
                 return ParamMap("gate_up", (f"{base}.{gate}.weight", f"{base}.{up}.weight"), e)
             return ParamMap("row", (f"{base}.{down}.weight",), e)
-        if suffix not in _LAYER_TABLE:
+        table = {**_LAYER_TABLE, **_MLA_TABLE} if spec.mla is not None else _LAYER_TABLE
+        if suffix not in table:
             raise ValueError(f"no HF mapping for megatron parameter {name!r}")
-        kind, hf = _LAYER_TABLE[suffix]
+        kind, hf = table[suffix]
         return ParamMap(kind, tuple(f"{layer}.{s}" for s in hf))
     if name not in _TOP_TABLE:
         raise ValueError(f"no HF mapping for megatron parameter {name!r}")
@@ -148,6 +172,9 @@ def shard_from_hf(pm: ParamMap, read: Reader, spec: ModelSpec, tp_rank: int, tp_
     if pm.kind == "row":
         cols = _row_input_size(pm, spec) // tp_size
         return read(pm.hf_names[0], (slice(None), slice(tp_rank * cols, (tp_rank + 1) * cols)))
+    if pm.kind == "column":
+        rows = _latent_shape(pm, spec)[0] // tp_size
+        return read(pm.hf_names[0], (slice(tp_rank * rows, (tp_rank + 1) * rows),))
     if pm.kind == "vocab":
         rows = padded_vocab // tp_size
         lo, hi = tp_rank * rows, (tp_rank + 1) * rows
@@ -193,6 +220,8 @@ def hf_from_shards(pm: ParamMap, shards: list[torch.Tensor], spec: ModelSpec,
         return [(pm.hf_names[0], shards[0] if len(shards) == 1 else torch.cat(shards, dim=1))]
     if pm.kind == "vocab":
         return [(pm.hf_names[0], along0(shards)[:spec.vocab_size])]
+    if pm.kind == "column":
+        return [(pm.hf_names[0], along0(shards))]
     if pm.kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
         return [(pm.hf_names[0], torch.cat([h[0] for h in halves], dim=0)),
@@ -212,7 +241,10 @@ ENGINE_SHARDED: tuple[Kind, ...] = ("qkv", "gate_up", "row")
 """Kinds whose TP shard is exactly what an engine rank at the same TP size keeps of the HF
 tensors (vLLM's QKV/merged-column/row-parallel loaders narrow each HF tensor to rank r's
 heads, rows or columns: megatron's rank r holds the same ones). The vocabulary is not one:
-megatron pads it to a multiple of 128 x TP, vLLM to one of 64, so their shards' rows differ."""
+megatron pads it to a multiple of 128 x TP, vLLM to one of 64, so their shards' rows differ.
+``column`` (MLA's up projections) would be one (vLLM 0.32 ``deepseek_v2.py`` splits
+``q_b_proj`` and ``kv_b_proj`` by heads as megatron does) but is sent whole: a few percent of
+an MoE's bytes, and vLLM derives its absorbed weights from the whole ``kv_b_proj``."""
 
 
 def shard_pieces(pm: ParamMap, shard: torch.Tensor, spec: ModelSpec, tp_rank: int,
@@ -257,11 +289,20 @@ def _mlp_size(pm: ParamMap, spec: ModelSpec) -> int:
         else spec.ffn_hidden_size
 
 
+def _latent_shape(pm: ParamMap, spec: ModelSpec) -> tuple[int, int]:
+    """The full HF [out, in] shape of a multi-latent attention projection."""
+    projection = pm.hf_names[0].split(".self_attn.")[1].removesuffix(".weight")
+    return spec.mla.projections(spec.num_heads, spec.hidden_size)[projection]
+
+
 def _row_input_size(pm: ParamMap, spec: ModelSpec) -> int:
-    """Input width of a row-parallel linear: heads x head_dim (o_proj) or the MLP size (down_proj)."""
-    return spec.num_heads * spec.head_dim if "o_proj" in pm.hf_names[0] else _mlp_size(pm, spec)
+    """Input width of a row-parallel linear: heads x head_dim (o_proj; MLA: heads x v_head_dim)
+    or the MLP size (down_proj)."""
+    if "o_proj" in pm.hf_names[0]:
+        return spec.num_heads * (spec.mla.v_head_dim if spec.mla else spec.head_dim)
+    return _mlp_size(pm, spec)
 
 
 def tp_split_dim(kind: Kind) -> int | None:
     """The dimension a kind is split along over TP ranks (None: replicated)."""
-    return {"vocab": 0, "qkv": 0, "gate_up": 0, "row": 1, "replicated": None}[kind]
+    return {"vocab": 0, "qkv": 0, "gate_up": 0, "row": 1, "column": 0, "replicated": None}[kind]

@@ -89,3 +89,20 @@ def read_rope_scaling(cfg: dict[str, Any], source: str) -> dict[str, Any] | None
         "attention_factor": attention if attention is not None
         else yarn_attention_factor(factor, mscale, mscale_all_dim),
     }
+
+
+def latent_yarn_mscales(rope: dict[str, Any]) -> tuple[float, float]:
+    """(mscale, mscale_all_dim) for megatron-core's MLA YaRN (0.16.1 ``multi_latent_attention.
+    py``, ``yarn_rotary_pos_embedding.py``) that give HF's numbers for a YaRN dict of
+    ``read_rope_scaling``: megatron multiplies cos and sin by mscale(f, mscale) /
+    mscale(f, mscale_all_dim) and the softmax scale by mscale(f, mscale_all_dim)^2; transformers
+    (DeepSeek-V3's ``yarn_apply_mscale`` and rotary embedding) by ``attention_factor`` and by
+    mscale(f, mscale_all_dim)^2 where mscale_all_dim is set, else 1. So mscale_all_dim is HF's
+    (0 where unset) and mscale solves mscale(f, mscale) = attention_factor x mscale(f,
+    mscale_all_dim): HF's own mscale where both are set and no attention_factor overrides."""
+    factor = rope["factor"]
+    all_dim = rope["mscale_all_dim"] or 0.0
+    if factor <= 1:
+        return 1.0, all_dim
+    target = rope["attention_factor"] * yarn_mscale(factor, all_dim)
+    return (target - 1.0) / (0.1 * math.log(factor)), all_dim

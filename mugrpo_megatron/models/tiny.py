@@ -71,6 +71,20 @@ TINY_FAMILIES: dict[str, dict] = {
                  "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 2,
                  "topk_group": 1, "attention_bias": True, "use_qk_norm": True,
                  "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 0},
+    # DeepSeek-V3: GLM-4.5's MoE under multi-latent attention, a query latent of 64 and the
+    # key/value latent of 512 + a rotary key of 64 (the one size vLLM's CPU MLA kernel takes),
+    # 32 + 64 query/key and 32 value dimensions a head; V3's YaRN (mscale = mscale_all_dim = 1:
+    # the softmax scaled by (0.1 ln 4 + 1)^2) from 128 positions to 512
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                    "n_shared_experts": 1, "first_k_dense_replace": 1,
+                    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 2,
+                    "topk_group": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                    "q_lora_rank": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                    "qk_nope_head_dim": 32, "v_head_dim": 32, "num_nextn_predict_layers": 0,
+                    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                     "mscale_all_dim": 1.0,
+                                     "original_max_position_embeddings": 128}},
 }
 
 
@@ -96,6 +110,8 @@ def make_tiny_checkpoint(out_dir: str | Path, family: str = "llama", *, seed: in
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)})")
     overrides = dict(TINY_FAMILIES[family])
     model_type = overrides.pop("model_type")
+    if "kv_lora_rank" in overrides:  # MLA: HF counts every query head as a KV head
+        num_kv_heads = num_heads
     config = AutoConfig.for_model(
         model_type, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=ffn_hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,

@@ -38,8 +38,9 @@ PROMPTS = [[5, 17, 33, 9], [101, 7, 250], [42, 42, 8, 19, 3, 77], [300, 12]]
 def corrupt(stream, how, spec):
     """Deliberately wrong layouts that a resharding bug could produce."""
     for name, t in stream:
-        if how == "swap_qkv_groups" and name.endswith("self_attn.q_proj.weight"):
-            half = t.shape[0] // 2  # query heads of group 0 <-> group 1
+        if how == "swap_qkv_groups" and name.endswith(("self_attn.q_proj.weight",
+                                                       "self_attn.q_b_proj.weight")):
+            half = t.shape[0] // 2  # query heads of group 0 <-> group 1 (MLA: of TP rank 0 <-> 1)
             t = torch.cat([t[half:], t[:half]])
         elif how == "swap_gate_up" and "gate_proj" in name:
             name = name.replace("gate_proj", "up_proj")
