@@ -23,14 +23,14 @@ def forward_flops(spec: ModelSpec, seq: int) -> tuple[float, float]:
     """FLOPs of one forward over a sequence of ``seq`` tokens: (the weight GEMMs, causal core
     attention)."""
     h = spec.hidden_size
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    attention = h * (q + 2 * kv) + q * h
+    attention = spec.attention_weights()
     moe = (3 * h * (spec.moe_ffn_hidden_size * spec.experts_per_token
                     + spec.shared_ffn_hidden_size) + h * spec.num_experts)
     mlp = sum(moe if spec.is_moe_layer(i) else 3 * h * spec.ffn_hidden_size
               for i in range(spec.num_layers))
     gemm = 2 * seq * (spec.num_layers * attention + mlp + h * spec.vocab_size)
-    core = spec.num_layers * 2 * seq * seq * q  # two products of seq^2 / 2 pairs, 2 FLOPs each
+    # q.k and p.v over seq^2 / 2 pairs, 2 FLOPs each
+    core = spec.num_layers * seq * seq * spec.num_heads * (spec.head_dim + spec.v_head_dim)
     return float(gemm), float(core)
 
 

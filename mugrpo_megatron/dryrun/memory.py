@@ -214,10 +214,11 @@ class EngineTensors:
 
     @classmethod
     def of(cls, spec: ModelSpec, tp: int, dtype: str) -> EngineTensors:
-        w, h, hd = BYTES[dtype], spec.hidden_size, spec.head_dim
+        w, h = BYTES[dtype], spec.hidden_size
         vocab = math.ceil(spec.vocab_size / (64 * tp)) * 64  # VocabParallelEmbedding's padding
-        attention = [(spec.num_heads + 2 * spec.num_kv_heads) * hd * h / tp,  # qkv_proj
-                     h * spec.num_heads * hd / tp, h, h]  # o_proj, two norms
+        attention = [n for _, n in spec.attention_tensors(tp)] + [h, h]  # and two norms
+        if spec.mla is not None:  # the latents' norms
+            attention += [spec.attention_norms()]
         dense = [2 * spec.ffn_hidden_size * h / tp, h * spec.ffn_hidden_size / tp]
         sizes = [vocab * h]
         for layer in range(spec.num_layers):
@@ -273,7 +274,7 @@ def reload_held(spec: ModelSpec, dtype: str) -> tuple[float, float]:
     of 64 (vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``) leaves its padded rows unloaded, so the
     embedding and the output layer wait for ``finalize_layerwise_reload`` at the stream's end."""
     h, w = spec.hidden_size, BYTES[dtype]
-    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * h
+    qkv = max(n for _, n in spec.attention_tensors(1))
     mlp = (spec.num_experts * 3 * spec.moe_ffn_hidden_size * h if spec.is_moe
            else 2 * spec.ffn_hidden_size * h)
     vocab_waits = spec.vocab_size % VLLM_VOCAB_PADDING != 0
@@ -335,7 +336,7 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     engine_weights = engine_tensors.total
     engine_budget = r.gpu_memory_utilization * gpu_gib * GIB
     kv = max(0.0, engine_budget - engine_weights)
-    kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 / r.tensor_parallel
+    kv_per_token = spec.num_layers * spec.kv_cache_values(r.tensor_parallel) * 2
     vllm = r.engine == "vllm"
     # the non-deferrable pools (runtime, workspaces, CUDA graphs): woken with the weights
     pools = (VLLM_RUNTIME + moe_workspace(spec, r.tensor_parallel, cfg.model.dtype)

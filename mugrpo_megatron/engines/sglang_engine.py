@@ -40,7 +40,7 @@ def _cpu_kv_tokens(model_dir: Path, dtype: str, gib: float) -> int:
     """How many tokens of KV cache fit in ``gib`` GiB (SGLang's CPU engine sizes its cache in
     tokens)."""
     spec = read_model_spec(model_dir)
-    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * _DTYPE_BYTES[dtype]
+    per_token = spec.num_layers * spec.kv_cache_values(1) * _DTYPE_BYTES[dtype]
     return max(1, int(gib * 2**30 // per_token))
 
 

@@ -268,6 +268,23 @@ class ModelSpec:
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return layers + embed + h
 
+    @property
+    def v_head_dim(self) -> int:
+        """Each head's value dimensions (MLA: its own; else head_dim)."""
+        return self.mla.v_head_dim if self.mla is not None else self.head_dim
+
+    def attention_tensors(self, tp: int) -> list[tuple[str, float]]:
+        """One layer's attention weights as a TP rank of the engine or the learner holds them:
+        (name, elements). Multi-latent attention's down projections are whole on every rank
+        (vLLM and megatron alike), its per-head projections split over TP."""
+        h, hd = self.hidden_size, self.head_dim
+        if self.mla is not None:
+            whole = ("q_a_proj", "kv_a_proj_with_mqa")
+            return [(name, o * i / (1 if name in whole else tp))
+                    for name, (o, i) in self.mla.projections(self.num_heads, h).items()]
+        return [("qkv_proj", (self.num_heads + 2 * self.num_kv_heads) * hd * h / tp),
+                ("o_proj", h * self.num_heads * hd / tp)]
+
     def attention_weights(self) -> int:
         """Weights of one layer's attention projections (no norms)."""
         h, hd = self.hidden_size, self.head_dim
