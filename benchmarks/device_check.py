@@ -32,7 +32,8 @@ runs at a tiny size so that the script is tested; its numbers mean nothing there
 8. checkpoint: a learner save and load (the distributed optimizer's model-space layout): seconds,
    the host memory the save adds over the rank's own optimizer shard, weights bit-exact after.
 9. moe_grouped: a tiny GLM-4.5 MoE whose experts run as TE's grouped GEMM (TEGroupedMLP), its
-   log-probs against transformers' (``device_moe.py``), when TE is importable.
+   log-probs against transformers' (``device_moe.py``), when TE is importable; then a tiny
+   DeepSeek-V3, whose multi-latent attention runs TE's MLA spec (names the CPU never builds).
 """
 
 from __future__ import annotations

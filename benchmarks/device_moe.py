@@ -6,7 +6,10 @@ dense first layer) in the learner at world size 1, whose experts must be megatro
 TEGroupedMLP (one grouped GEMM a layer, ``linear_fc1.weight{i}``: the names
 ``models/mapping.py`` maps), loaded from the HF checkpoint through that mapping; its log-probs of
 random tokens against transformers' in fp32 on the same GPU, and a train step. A mapping that
-misplaced an expert's grouped weights would show as a gap of order 1.
+misplaced an expert's grouped weights would show as a gap of order 1. Then the same for a tiny
+DeepSeek-V3, whose multi-latent attention runs TE's MLA spec there (its latents' down
+projections ``TELinear`` whole on the rank, its latent norms fused into the up projections as
+``linear_q_up_proj.layer_norm_weight``: names only TE's spec has, which the CPU never builds).
 """
 
 from __future__ import annotations
@@ -22,6 +25,16 @@ def moe_grouped(args, skip: type[Exception]) -> dict:
 
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
         raise skip("grouped GEMM needs a GPU with Transformer Engine")
+    out: dict = {"checked": [], "not_checked": []}
+    for family in ("glm4_moe", "deepseek_v3"):
+        got = _one_family(family)
+        out[family] = {k: v for k, v in got.items() if k not in ("checked", "not_checked")}
+        out["checked"] += [f"{family}: {line}" for line in got["checked"]]
+        out["not_checked"] += [f"{family}: {line}" for line in got["not_checked"]]
+    return out
+
+
+def _one_family(family: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from mugrpo_megatron.config.loader import load_config
@@ -29,9 +42,9 @@ def moe_grouped(args, skip: type[Exception]) -> dict:
     from mugrpo_megatron.models.tiny import make_tiny_checkpoint
     from mugrpo_megatron.types import TokenBatch
 
-    path = Path(tempfile.gettempdir()) / "mugrpo_device_check_glm4_moe"
+    path = Path(tempfile.gettempdir()) / f"mugrpo_device_check_{family}"
     if not (path / "config.json").exists():
-        make_tiny_checkpoint(path, "glm4_moe", seed=7)
+        make_tiny_checkpoint(path, family, seed=7)
     cfg = load_config(None, [f"model.path={path}", "model.dtype=float32",
                              "parallel.micro_batch_size=2", "algo.samples_per_update=4",
                              "algo.total_updates=4", "algo.updates_per_phase=4", "optim.lr=1e-5",
@@ -51,7 +64,10 @@ def moe_grouped(args, skip: type[Exception]) -> dict:
     want = torch.log_softmax(logits, -1)[:, :-1].gather(-1, tokens.cuda()[:, 1:, None])[..., 0]
     gap = (logp[:, 1:] - want.cpu()).abs().max().item()
     grouped = kinds == ["TEGroupedMLP"] and any(".weight0" in n for n in names)
+    attention = sorted({n.split("self_attention.")[1] for c in learner.chunks()
+                        for n, _ in c.named_parameters() if "layers.0.self_attention." in n})
     return {"experts_module": kinds, "expert_param_example": names[:2],
+            "attention_params": attention,
             "logprob_max_gap_vs_transformers": gap,
             "checked": [f"experts run as {kinds}; log-probs vs transformers max gap {gap:.2e} "
                         f"(fp32: expect < 1e-4)"],
