@@ -86,9 +86,9 @@ def check_model_dims(spec: ModelSpec, parallel: ParallelConfig) -> None:
         "linear_qkv (query, key and value heads x head_dim / TP, hidden)": ((q + 2 * kv) // tp,
                                                                             spec.hidden_size),
         "linear_proj (hidden, query heads x head_dim / TP)": (spec.hidden_size, q // tp),
-    } if spec.mla is None else {  # MLA: down projections whole, the others split by heads
-        f"{name} of multi-latent attention": ((o // tp, i) if name not in ("q_a_proj",
-              "kv_a_proj_with_mqa", "o_proj") else (o, i // tp) if name == "o_proj" else (o, i))
+    } if spec.mla is None else {  # MLA: down projections whole, o_proj by inputs, the rest by outputs
+        f"{name} of multi-latent attention": (o, i) if name in ("q_a_proj", "kv_a_proj_with_mqa")
+        else (o, i // tp) if name == "o_proj" else (o // tp, i)
         for name, (o, i) in spec.mla.projections(spec.num_heads, spec.hidden_size).items()}
     weights |= {
         "linear_fc1 (2 x MLP size / TP, hidden)": (2 * mlp // tp, spec.hidden_size),

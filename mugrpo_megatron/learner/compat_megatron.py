@@ -31,13 +31,10 @@ letting a patch go silently inert.
    - ``Tensor.type()`` compared with ``'torch.cuda.FloatTensor'`` (``distrib_optimizer.py``,
      ``optimizer.py``, ``clip_grads.py``) -> the CUDA spelling of the CPU tensor's type.
 
-2. **Names Transformer Engine would give, where it is absent** (``without_transformer_engine``,
-   applied only there). 0.16.1's fp32 router GEMM (``moe_utils.router_gating_linear``) tests
-   ``te_general_gemm is not None`` but defines the name only when TE imports (NameError
-   otherwise): defined as None so torch's is used (0.19 defines it itself). Its MLA
-   (``multi_latent_attention.py``) takes TE for present whenever megatron's TE wrappers import,
-   which they do without TE (``TELinear`` a MagicMock stand-in), then calls
-   ``isinstance(linear_proj, TELinear)`` (TypeError): its ``HAVE_TE`` is set False.
+2. **Without TE** (``without_transformer_engine``, only where TE is absent): 0.16.1's router
+   GEMM tests ``moe_utils.te_general_gemm is not None``, a name defined only with TE (0.19 always
+   defines it): set to None. Its MLA tests ``HAVE_TE and isinstance(x, TELinear)``, which raises
+   where megatron's TE wrappers import without TE (``TELinear`` a MagicMock): ``HAVE_TE`` False.
 
 3. **Optimizer state with torch's Adam** (no apex or TE: the CPU, and GPUs without them):
    ``has_optimizer_state``, ``ensure_optimizer_state``, ``tolerate_missing_step``,
@@ -62,28 +59,23 @@ letting a patch go silently inert.
    layout reads any other's; a ``ShardedTensorFactory`` per state joins them back on load, and
    megatron's ``load_parameter_state_from_fs_model_space`` takes it from there.
 
-6. **No compiled fusions on CPU** (``_import_megatron``, at this module's import, which
-   ``mugrpo_megatron.learner`` does first): ``megatron/core/jit.py`` sets ``jit_fuser =
-   torch.compile`` (0.16.1, 0.19.2), importing dynamo and inductor (~4 s of every start-up) for
-   fusions a CPU run never calls. Without CUDA, megatron-core is imported with ``torch.compile``
-   the identity for the moment of the import.
+6. **No compiled fusions on CPU** (``_import_megatron``, at this module's import):
+   ``megatron/core/jit.py`` sets ``jit_fuser = torch.compile`` (0.16.1, 0.19.2), importing
+   dynamo and inductor (~4 s a start-up) for fusions a CPU run never calls: without CUDA,
+   megatron-core is imported with ``torch.compile`` the identity for the moment of the import.
 
 7. **Checkpoint writers that end with the run** (``checkpoint_writers_die_with_us``, before
-   every save). megatron-core's file-system writer (``filesystem_async.py``) collects results
-   through the queue of a spawned ``multiprocessing`` manager kept in ``_results_queue``
-   (0.16.1 and 0.19.2), and 0.16.1 writes from forked processes (``FileSystemWriterAsync.
-   write_preloaded_data``; 0.19.2 from threads). A SIGKILL of the run left the manager alive on
-   every rank (``tests/test_user_data.py``). Here ``_results_queue`` comes from a manager
+   every save). megatron-core's file-system writer (``filesystem_async.py``) reports through the
+   queue of a spawned manager kept in ``_results_queue`` (0.16.1, 0.19.2), 0.16.1 from forked
+   writers (``FileSystemWriterAsync.write_preloaded_data``; 0.19.2 from threads). A SIGKILL of
+   the run left the manager alive on every rank (``tests/test_user_data.py``): here it is
    started with ``procs.die_with_parent``, which a forked writer also calls first.
 
-8. **YaRN through undeclared config attributes** (``yarn_config``). With
-   ``position_embedding_type='yarn'`` megatron-core's GPT model reads ``yarn_*`` attributes of
-   the TransformerConfig with ``getattr`` (0.16.1 ``gpt_model.py`` 172-190), which no dataclass
-   declares (Megatron-LM and Megatron-Bridge set them so); they are set here. The attention
-   factor (HF's and vLLM's cos/sin multiplier) megatron would apply as ``apply_rotary_pos_emb``'s
-   ``mscale`` (``attention.py``, ``_yarn_get_concentration_factor_from_config``), which TE's
-   fused RoPE refuses unless 1 (``rope_utils.py`` 279): ``yarn_mscale = yarn_mscale_all_dim =
-   1`` make it exactly 1, and ``model.py`` puts its square into ``softmax_scale`` instead.
+8. **YaRN through undeclared config attributes** (``yarn_config``): megatron-core's GPT model
+   reads ``yarn_*`` attributes of the TransformerConfig by ``getattr`` (0.16.1 ``gpt_model.py``
+   172-190), which no dataclass declares: set here. Its attention factor (``attention.py``
+   ``_yarn_get_concentration_factor_from_config``, ``apply_rotary_pos_emb``'s ``mscale``, which
+   TE's fused RoPE refuses unless 1) is held at 1; ``model.py`` squares HF's into softmax_scale.
 """
 
 from __future__ import annotations

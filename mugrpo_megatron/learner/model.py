@@ -334,10 +334,8 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | 
         )
 
         if spec.dense_layers and config is not None:  # dense or MoE per config.moe_layer_freq
-            block = get_gpt_decoder_block_spec(config, use_transformer_engine=True,
-                                               qk_layernorm=spec.qk_norm or mla,
-                                               vp_stage=vp_stage)
-            return block
+            return get_gpt_decoder_block_spec(config, use_transformer_engine=True,
+                                              qk_layernorm=spec.qk_norm or mla, vp_stage=vp_stage)
         return get_gpt_layer_with_transformer_engine_spec(  # experts: TEGroupedMLP
             num_experts=spec.num_experts or None, moe_grouped_gemm=spec.is_moe,
             qk_layernorm=spec.qk_norm or mla, multi_latent_attention=mla)

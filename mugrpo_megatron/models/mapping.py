@@ -93,6 +93,7 @@ _MLA_TABLE: dict[str, tuple[Kind, tuple[str, ...]]] = {
 }
 """Multi-latent attention's parameters (megatron-core 0.16.1 ``multi_latent_attention.py``
 ``MLASelfAttention``), in place of ``_LAYER_TABLE``'s attention entries."""
+_MLA_LAYER_TABLE = {**_LAYER_TABLE, **_MLA_TABLE}
 _TOP_TABLE: dict[str, tuple[Kind, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
     "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
@@ -151,7 +152,7 @@ def map_param(name: str, spec: ModelSpec, global_layer: int | None = None,
             if fc == "linear_fc1":
                 return ParamMap("gate_up", (f"{base}.{gate}.weight", f"{base}.{up}.weight"), e)
             return ParamMap("row", (f"{base}.{down}.weight",), e)
-        table = {**_LAYER_TABLE, **_MLA_TABLE} if spec.mla is not None else _LAYER_TABLE
+        table = _MLA_LAYER_TABLE if spec.mla is not None else _LAYER_TABLE
         if suffix not in table:
             raise ValueError(f"no HF mapping for megatron parameter {name!r}")
         kind, hf = table[suffix]
