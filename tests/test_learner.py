@@ -92,6 +92,8 @@ TIMEOUT_MINUTES = 180.0  # parallel.timeout_minutes' default
 def layouts_for(family: str) -> list[str]:
     if family == "qwen3_yarn":  # YaRN's rotation of each rank's sequence-parallel share, and
         return ["tp2_sp", "cp2"]  # of each context-parallel rank's two chunks
+    if family == "deepseek_v3":  # its MoE layer is GLM-4.5's, whose EP layouts run below:
+        return ["tp2_sp", "pp2"]  # multi-latent attention split over TP (and SP) and over PP
     if family in MOE:  # megatron-core needs sequence parallel for MoE with TP > 1
         return ["ep2_distopt", "ep2_distopt_packed", "tp2_sp", "pp2"]
     return [name for name in LAYOUTS if not name.startswith("ep")
