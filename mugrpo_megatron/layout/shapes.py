@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 
 from mugrpo_megatron.config import ModelConfig, ParallelConfig
-from mugrpo_megatron.models.hf_config import ModelSpec
+from mugrpo_megatron.models.hf_config import LatentAttention, ModelSpec
 
 GEMM_ROWS, GEMM_COLS = 8, 16
 """``assert_dim_for_fp8_exec``: leading product % 8, last dimension % 16."""
@@ -87,7 +87,7 @@ def check_model_dims(spec: ModelSpec, parallel: ParallelConfig) -> None:
                                                                             spec.hidden_size),
         "linear_proj (hidden, query heads x head_dim / TP)": (spec.hidden_size, q // tp),
     } if spec.mla is None else {  # MLA: down projections whole, o_proj by inputs, the rest by outputs
-        f"{name} of multi-latent attention": (o, i) if name in ("q_a_proj", "kv_a_proj_with_mqa")
+        f"{name} of multi-latent attention": (o, i) if name in LatentAttention.DOWN
         else (o, i // tp) if name == "o_proj" else (o // tp, i)
         for name, (o, i) in spec.mla.projections(spec.num_heads, spec.hidden_size).items()}
     weights |= {

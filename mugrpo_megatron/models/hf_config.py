@@ -93,6 +93,8 @@ class LatentAttention:
     qk_rope_head_dim: int
     """Each head's rotated query dimensions, and the shared rotary key's."""
     v_head_dim: int
+    DOWN = ("q_a_proj", "kv_a_proj_with_mqa")
+    """The latents' down projections: whole on every TP rank (megatron's TE spec and ours, vLLM)."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -279,19 +281,17 @@ class ModelSpec:
         (vLLM and megatron alike), its per-head projections split over TP."""
         h, hd = self.hidden_size, self.head_dim
         if self.mla is not None:
-            whole = ("q_a_proj", "kv_a_proj_with_mqa")
-            return [(name, o * i / (1 if name in whole else tp))
+            return [(name, o * i / (1 if name in LatentAttention.DOWN else tp))
                     for name, (o, i) in self.mla.projections(self.num_heads, h).items()]
         return [("qkv_proj", (self.num_heads + 2 * self.num_kv_heads) * hd * h / tp),
                 ("o_proj", h * self.num_heads * hd / tp)]
 
     def attention_weights(self) -> int:
         """Weights of one layer's attention projections (no norms)."""
-        h, hd = self.hidden_size, self.head_dim
-        if self.mla is not None:
-            return sum(o * i for o, i in self.mla.projections(self.num_heads, h).values())
-        n = h * hd * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * hd * h
-        return n + (hd * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0)
+        weights = int(sum(n for _, n in self.attention_tensors(1)))
+        if self.qkv_bias and self.mla is None:
+            weights += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+        return weights
 
     def attention_norms(self) -> int:
         """Weights of one layer's q/k norms (MLA: its latents' norms)."""
