@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,10 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
         layernorm_epsilon=spec.norm_eps, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
-        qk_layernorm=spec.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        # q/k norms (MLA: the latents' norms q_a_layernorm / kv_a_layernorm) exist where this
+        # is set: megatron-core's block spec builds every layer from it, and 0.19's attention
+        # refuses a spec whose norms disagree with it (the one source: layer_spec reads it)
+        qk_layernorm=spec.qk_norm or spec.mla is not None, hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=spec.init_std, attention_softmax_in_fp32=True,
         # fusions need apex/TE kernels; on GPUs with TE the TE spec brings its own
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -319,32 +323,22 @@ class LatentCoreAttention(DotProductAttention):
         super().__init__(config, *args, **kwargs)
 
 
-def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | None = None,
+def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig,
                vp_stage: int | None = None):
-    """Transformer Engine's layer spec where TE and a GPU are present, megatron's local one else.
+    """Transformer Engine's layer spec where TE and a GPU are present (``te_layer_spec``),
+    megatron's local one else.
 
     With sequence parallel on the local spec, or dense layers before the experts (GLM-4.5's
     first_k_dense_replace), the whole block's spec: this stage's layers, each dense or MoE,
     and the final norm, with ``SequenceParallelRMSNorm`` in place of megatron's torch norms."""
-    mla = spec.mla is not None
     if uses_transformer_engine(model):
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_decoder_block_spec,
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-
-        if spec.dense_layers and config is not None:  # dense or MoE per config.moe_layer_freq
-            return get_gpt_decoder_block_spec(config, use_transformer_engine=True,
-                                              qk_layernorm=spec.qk_norm or mla, vp_stage=vp_stage)
-        return get_gpt_layer_with_transformer_engine_spec(  # experts: TEGroupedMLP
-            num_experts=spec.num_experts or None, moe_grouped_gemm=spec.is_moe,
-            qk_layernorm=spec.qk_norm or mla, multi_latent_attention=mla)
+        return te_layer_spec(spec, config, vp_stage)
     if model.fp8_format is not None and torch.cuda.is_available():
         raise ValueError("model.fp8_format: FP8 needs Transformer Engine, which is not "
                          "importable here")
-    sp = config is not None and config.sequence_parallel
+    sp = config.sequence_parallel
     moe = _local_layer(spec, config, spec.num_experts or None)
-    if config is None or not (sp or spec.dense_layers):
+    if not (sp or spec.dense_layers):
         return moe
     dense = _local_layer(spec, config, None) if spec.dense_layers else moe
     first = get_transformer_layer_offset(config, vp_stage=vp_stage)
@@ -354,13 +348,32 @@ def layer_spec(spec: ModelSpec, model: ModelConfig, config: TransformerConfig | 
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
 
 
-def _local_layer(spec: ModelSpec, config: TransformerConfig | None, experts: int | None):
+def te_layer_spec(spec: ModelSpec, config: TransformerConfig, vp_stage: int | None = None):
+    """megatron-core's Transformer Engine spec: the block's (this stage's layers, dense or MoE by
+    ``config.moe_layer_freq``) where the first layers are dense, one layer's else; experts as
+    TEGroupedMLP. Whether q/k norms (MLA: the latents' norms, fused into the up projections as
+    ``linear_q_up_proj.layer_norm_weight``) exist is ``config.qk_layernorm``, which the block
+    spec reads for every layer (``get_gpt_decoder_block_spec`` takes no ``qk_layernorm``:
+    0.16.1-0.19.2). Built on CPU by tests/test_te_specs.py through these very calls."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if spec.dense_layers:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+    return get_gpt_layer_with_transformer_engine_spec(
+        num_experts=spec.num_experts or None, moe_grouped_gemm=spec.is_moe,
+        qk_layernorm=config.qk_layernorm, multi_latent_attention=spec.mla is not None)
+
+
+def _local_layer(spec: ModelSpec, config: TransformerConfig, experts: int | None):
     """megatron's local layer spec, dense (``experts`` None) or MoE, with our core attention
     under CP (megatron's own refuses it) and, with sequence parallel, our norms (MLA: its
     latents' norms, which megatron builds where ``qk_layernorm`` is set)."""
     mla = spec.mla is not None
     local = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
-                                     qk_layernorm=spec.qk_norm or mla,
+                                     qk_layernorm=config.qk_layernorm,
                                      multi_latent_attention=mla, normalization="RMSNorm")
     if mla:
         # the latents' down projections whole on every TP rank, as TE's spec has them (its
@@ -373,11 +386,11 @@ def _local_layer(spec: ModelSpec, config: TransformerConfig | None, experts: int
         attention = local.submodules.self_attention.submodules
         attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
         attention.core_attention = LatentCoreAttention
-    elif config is not None and config.context_parallel_size > 1:
+    elif config.context_parallel_size > 1:
         from mugrpo_megatron.learner.context import ContextParallelAttention
 
         local.submodules.self_attention.submodules.core_attention = ContextParallelAttention
-    if config is None or not config.sequence_parallel:
+    if not config.sequence_parallel:
         return local
     norm = ModuleSpec(module=SequenceParallelRMSNorm)
     local.submodules.input_layernorm = norm
@@ -461,10 +474,13 @@ class SafetensorsReader:
             raise ValueError(f"model.path: no model.safetensors or model.safetensors.index.json in "
                              f"{hf_dir} (only safetensors checkpoints are read)")
         self._handles: dict[Path, object] = {}
+        self.read: set[str] = set()
+        """The names read so far (``unread_layer_tensors``)."""
 
     def __call__(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
         if name not in self.files:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint")
+        self.read.add(name)
         path = self.files[name]
         if path not in self._handles:
             self._handles[path] = safe_open(path, "pt")
@@ -495,3 +511,35 @@ def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str 
                 raise ValueError(f"{name}: shard from {pm.hf_names} has shape {tuple(shard.shape)}, "
                                  f"parameter has {tuple(param.shape)}")
             param.copy_(shard.to(param.dtype))
+    held = {n for chunk in chunks for n in global_layer_numbers(chunk).values()}
+    first = expert_offset(spec)
+    experts = range(first, first + spec.num_experts // mpu.get_expert_model_parallel_world_size()) \
+        if spec.is_moe else None
+    if unread := unread_layer_tensors(read.files, read.read, held, experts):
+        raise ValueError(
+            f"{hf_dir}: {len(unread)} tensor(s) of this rank's layers went into no parameter of "
+            f"the model megatron-core built, e.g. {', '.join(sorted(unread)[:4])}: its layer spec "
+            f"lacks their modules (a norm built as an identity, say), which would train and "
+            f"export the model without them")
+
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
+def unread_layer_tensors(names, read: set[str], layers: set[int], experts: range | None
+                         ) -> list[str]:
+    """The checkpoint's tensors of ``layers`` (global numbers this rank holds) that nothing read:
+    every such tensor has a parameter on the rank that holds its layer (all TP ranks read a
+    slice), except other expert-parallel ranks' experts. Layers past the model's (DeepSeek-V3's
+    multi-token-prediction layers) are in no rank's ``layers``."""
+    out = []
+    for name in names:
+        m = _HF_LAYER.match(name)
+        if m is None or int(m[1]) not in layers or name in read or name.endswith("inv_freq"):
+            continue
+        e = _HF_EXPERT_INDEX.search("." + m[2])
+        if e is not None and experts is not None and int(e[1]) not in experts:
+            continue
+        out.append(name)
+    return out
