@@ -45,9 +45,9 @@ def guarded_te_names(module) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def world():
     """A one-rank gloo world with megatron's groups (the block spec's stage arithmetic)."""
-    from mugrpo_megatron.learner import compat_megatron  # noqa: F401 - before megatron
-
     import os
+
+    from mugrpo_megatron.learner.compat_megatron import megatron_on_cpu  # noqa: F401 (first)
 
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
