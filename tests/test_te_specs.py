@@ -86,6 +86,16 @@ def te_on_cpu(world, monkeypatch):
     return world
 
 
+def built_class(spec_or_builder):
+    """The class a spec entry builds: a ``ModuleSpec``'s module, or (megatron-core 0.19) the
+    ``functools.partial`` of a class (``MoELayer``) or of its classmethod builder
+    (``MLP.as_mlp_submodule``)."""
+    if hasattr(spec_or_builder, "module"):
+        return spec_or_builder.module
+    func = spec_or_builder.func
+    return func if isinstance(func, type) else func.__self__
+
+
 def _layers(block_or_layer) -> list:
     return getattr(block_or_layer, "layer_specs", None) or [block_or_layer]
 
@@ -123,7 +133,7 @@ def test_te_spec_builds_with_the_norms_the_checkpoint_has(te_on_cpu, tmp_path, f
             assert attention.k_layernorm is not IdentityOp
         else:
             assert attention.q_layernorm is IdentityOp and attention.k_layernorm is IdentityOp
-        mlp = layer.submodules.mlp.module
+        mlp = built_class(layer.submodules.mlp)
         assert mlp is (MoELayer if spec.is_moe_layer(i) or not spec.dense_layers and spec.is_moe
                        else MLP), (family, i, mlp)
 

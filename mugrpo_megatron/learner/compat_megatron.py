@@ -35,6 +35,8 @@ letting a patch go silently inert.
    GEMM tests ``moe_utils.te_general_gemm is not None``, a name defined only with TE (0.19 always
    defines it): set to None. Its MLA tests ``HAVE_TE and isinstance(x, TELinear)``, which raises
    where megatron's TE wrappers import without TE (``TELinear`` a MagicMock): ``HAVE_TE`` False.
+   0.19's MLA binds the torch ``Linear`` it accepts as a down projection only under ``HAVE_TE``
+   (None else, and our local spec's whole down projections refused): bound as with TE.
 
 3. **Optimizer state with torch's Adam** (no apex or TE: the CPU, and GPUs without them):
    ``has_optimizer_state``, ``ensure_optimizer_state``, ``tolerate_missing_step``,
@@ -126,6 +128,8 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "megatron.core.transformer.moe.moe_utils:router_gating_linear",
     "megatron.core.transformer.multi_latent_attention:HAVE_TE",
     "megatron.core.transformer.multi_latent_attention:TELinear",
+    "megatron.core.transformer.multi_latent_attention:Linear",
+    "megatron.core.post_training.modelopt.layers:Linear",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
     "megatron.core.optimizer:ChainedOptimizer",
     "megatron.core.parallel_state:create_group",
@@ -257,6 +261,10 @@ def without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
     if not isinstance(multi_latent_attention.TELinear, type):
         multi_latent_attention.HAVE_TE = False
+    if multi_latent_attention.Linear is None:  # 0.19 binds it only under HAVE_TE
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        multi_latent_attention.Linear = Linear
 
 
 # ------------------------------------------------------------------ 3. optimizer state
