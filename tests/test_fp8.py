@@ -1,5 +1,7 @@
 """FP8 requests fail clearly where they cannot run; the GPU check runs only on a GPU with TE."""
 
+import types
+
 import pytest
 import torch
 
@@ -195,15 +197,33 @@ def test_fp8_extra_state_is_one_copy_a_layer_and_loads_in_any_layout(tmp_path):
 
 class DelayedScalingBuffer:
     """A stand-in for Transformer Engine's ``FP8GlobalStateManager`` global amax buffer under
-    delayed scaling (TE 2.11 ``quantization.py``; TE is not installed on CPU): keys
-    ``forward_<autocast>`` / ``backward_<autocast>``, each a list of modules' ``amax_history[0]``
-    views. ``cast`` folds a tensor's amax into its module's slot as TE's cast kernels do (a
-    running max); ``reduce`` is a grad-enabled ``fp8_autocast`` exit: roll each history, zero
-    its slot, scale = 448 / max(history) (``delayed_scaling.cu``, amax_compute_algo 'max')."""
+    delayed scaling (TE is not installed on CPU), in either of TE's layouts (``layout``): the
+    buffer a class attribute of the manager (TE 2.9-2.14) or a field of its
+    ``quantization_state`` (2.15-2.20); which versions have which is read from TE's released
+    source by scripts/check_upstream.py (``test_each_te_layout_is_one_check_upstream_found``).
+    Keys ``forward_<autocast>`` / ``backward_<autocast>``, each a list of modules'
+    ``amax_history[0]`` views. ``cast`` folds a tensor's amax into its module's slot as TE's cast
+    kernels do (a running max); ``reduce`` is a grad-enabled ``fp8_autocast`` exit: roll each
+    history, zero its slot, scale = 448 / max(history) (``delayed_scaling.cu``,
+    amax_compute_algo 'max'). ``UPSTREAM_DIGESTS``: the TE definitions it mirrors, as read
+    (scripts/check_upstream.py fails when TE's source of them changes)."""
 
-    def __init__(self):
-        self.global_amax_buffer: dict[str, list[torch.Tensor]] = {}
+    UPSTREAM_DIGESTS = {
+        "transformer_engine.pytorch.quantization:FP8GlobalStateManager.split_key_in_buffer": (
+            "SPLIT_KEY_DIGEST",),
+    }
+
+    def __init__(self, layout: str = "class"):
         self.histories: list[torch.Tensor] = []
+        if layout == "class":
+            self.global_amax_buffer: dict[str, list[torch.Tensor]] = {}
+        else:
+            self.quantization_state = types.SimpleNamespace(global_amax_buffer={})
+
+    @property
+    def buffer(self) -> dict[str, list[torch.Tensor]]:
+        state = self.__dict__.get("quantization_state", self)
+        return state.global_amax_buffer
 
     @staticmethod
     def split_key_in_buffer(key: str) -> tuple[bool, str]:
@@ -213,8 +233,8 @@ class DelayedScalingBuffer:
     def register(self, length: int = 4) -> torch.Tensor:
         history = torch.zeros(length, 2)
         self.histories.append(history)
-        self.global_amax_buffer.setdefault("forward_recipe:group", []).append(history[0])
-        self.global_amax_buffer.setdefault("backward_recipe:group", []).append(torch.zeros(2))
+        self.buffer.setdefault("forward_recipe:group", []).append(history[0])
+        self.buffer.setdefault("backward_recipe:group", []).append(torch.zeros(2))
         return history
 
     @staticmethod
@@ -231,15 +251,17 @@ class DelayedScalingBuffer:
         return scales
 
 
-def test_no_grad_fp8_passes_leave_the_next_updates_scaling_as_without_them():
+@pytest.mark.parametrize("layout", ["class", "state"])
+def test_no_grad_fp8_passes_leave_the_next_updates_scaling_as_without_them(layout):
     """A no-grad pass with larger activations between two training microbatches: inside
     ``forward_amaxes_kept`` the histories and scales after the second microbatch are those of
     the run without the pass; without it the pass's amax enters the history (the rule the
-    function exists for). A module first seen in the pass is left with a zero slot."""
+    function exists for). A module first seen in the pass is left with a zero slot. In both of
+    TE's layouts of the buffer (the "state" one, TE >= 2.15, raised AttributeError before)."""
     from mugrpo_megatron.learner.fp8 import forward_amaxes_kept
 
     def run(no_grad_pass, kept):
-        te = DelayedScalingBuffer()
+        te = DelayedScalingBuffer(layout)
         layer = te.register()
         te.cast(layer, torch.tensor([[1.0, -2.0]]))
         te.reduce()  # microbatch 1

@@ -17,6 +17,20 @@ import torch
 
 from mugrpo_megatron.config import ModelConfig
 
+# What the FP8 guard reads of TE (scripts/check_upstream.py checks each in TE's released source at
+# both ends of pyproject's range, and the versioned ones present exactly where their range says)
+UPSTREAM_SYMBOLS: tuple[str, ...] = (
+    "transformer_engine.pytorch.quantization:FP8GlobalStateManager",
+    "transformer_engine.pytorch.quantization:FP8GlobalStateManager.split_key_in_buffer",
+)
+UPSTREAM_VERSIONED: dict[str, str] = {
+    # the delayed-scaling amax buffer: a class attribute of the manager up to 2.14, a field of
+    # its quantization_state (an FP8GlobalState, replaced whole by reset()) from 2.15
+    "transformer_engine.pytorch.quantization:FP8GlobalStateManager.global_amax_buffer": "<2.15",
+    "transformer_engine.pytorch.quantization:FP8GlobalStateManager.quantization_state": ">=2.15",
+    "transformer_engine.pytorch.quantization:FP8GlobalState.global_amax_buffer": ">=2.15",
+}
+
 _MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
 
 
@@ -77,8 +91,9 @@ def forward_amaxes_kept(delayed: bool, manager=None):
     would be without it. TE's casts fold every forward tensor's amax into ``amax_history[0]`` of
     its module (a running max), grad or no grad; only a grad-enabled ``fp8_autocast`` exit
     reduces that slot, rolls the history and zeroes it (the casts: ``atomicMaxFloat``,
-    ``common/cast/fp8/quantize_fp8.cuh``; TE 2.9-2.18 ``quantization.py``
-    ``FP8GlobalStateManager.autocast_exit`` -> ``reduce_and_update_fp8_tensors``;
+    ``common/cast/fp8/quantize_fp8.cuh``; TE 2.9-2.20 ``quantization.py``
+    ``FP8GlobalStateManager.autocast_exit`` -> ``reduce_and_update_fp8_tensors``, the same in
+    2.20;
     ``common/recipe/delayed_scaling.cu``). A no-grad pass (the behaviour, reference and check
     passes over a whole phase) would so put its largest amax into the next training
     microbatch's reduction, and with our ``amax_compute_algo: max`` over 1024 steps into the
@@ -86,7 +101,8 @@ def forward_amaxes_kept(delayed: bool, manager=None):
     than the training's own. Here every forward slot of TE's global buffer (keys ``forward_*``)
     is put back after the pass: to its value before, or to 0 for a module first registered
     during it (a new module's history is zeros). A few KB copied a pass. ``manager``: TE's
-    ``FP8GlobalStateManager`` unless given (the tests give a stand-in of its buffer)."""
+    ``FP8GlobalStateManager`` unless given (the tests give a stand-in of its buffer, in either
+    of TE's layouts: ``amax_buffer``)."""
     if not delayed:
         yield
         return
@@ -94,7 +110,7 @@ def forward_amaxes_kept(delayed: bool, manager=None):
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
 
     def slots() -> list[torch.Tensor]:
-        return [t for key, buf in manager.global_amax_buffer.items()
+        return [t for key, buf in amax_buffer(manager).items()
                 if manager.split_key_in_buffer(key)[0] for t in buf]
 
     before = {id(t): t.clone() for t in slots()}
@@ -104,3 +120,11 @@ def forward_amaxes_kept(delayed: bool, manager=None):
         for t in slots():
             saved = before.get(id(t))
             t.copy_(saved) if saved is not None else t.zero_()
+
+
+def amax_buffer(manager) -> dict[str, list[torch.Tensor]]:
+    """TE's delayed-scaling amax buffer (``UPSTREAM_VERSIONED``): ``manager.global_amax_buffer``
+    up to TE 2.14, ``manager.quantization_state.global_amax_buffer`` from 2.15 (read anew at
+    every call: ``reset()`` replaces the state object)."""
+    state = getattr(manager, "quantization_state", None)
+    return (manager if state is None else state).global_amax_buffer
