@@ -216,3 +216,68 @@ def test_train_at_cp2_matches_the_same_run_at_dp2(tmp_path):
     for u in dp:
         assert cp[u]["loss"] == pytest.approx(dp[u]["loss"], rel=1e-4, abs=1e-6), u
         assert cp[u]["grad_norm"] == pytest.approx(dp[u]["grad_norm"], rel=1e-4), u
+
+
+def test_the_cp_exchange_meets_transformer_engines_rules():
+    """``parallel.cp_comm_type`` (layout.context) against TE's asserts (TE 2.9-2.20
+    ``attn_forward_func_with_cp`` and its exchanges): a sliding window takes a2a or all_gather
+    ('auto' chooses all_gather; megatron's default p2p used to pass here and assert on the GPU),
+    a2a needs each TP rank's heads and groups divisible by CP, a2a+p2p is not built, MLA takes
+    p2p; packed (THD) rows pass p2p only, and 'auto' packing pads instead where they would not.
+    The choice reaches megatron's TransformerConfig and the dry run."""
+    from mugrpo_megatron.config import ModelConfig, ParallelConfig
+    from mugrpo_megatron.layout import check_model, context_comm_type, pack_capacity, packs_with
+    from mugrpo_megatron.models.hf_config import model_spec_from_dict
+
+    base = {"architectures": ["MistralForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+            "intermediate_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "vocab_size": 128, "max_position_embeddings": 4096}
+    dense, windowed = model_spec_from_dict(base), model_spec_from_dict({**base, "sliding_window": 512})
+    cp = ParallelConfig(context=2)
+    assert context_comm_type(dense, ParallelConfig()) is None
+    assert context_comm_type(dense, cp) == "p2p" and context_comm_type(windowed, cp) == "all_gather"
+    with pytest.raises(ValueError, match="sliding window"):
+        context_comm_type(windowed, ParallelConfig(context=2, cp_comm_type="p2p"))
+    assert context_comm_type(windowed, ParallelConfig(context=2, cp_comm_type="a2a")) == "a2a"
+    with pytest.raises(ValueError, match="2 key/value groups a TP rank do not divide by"):
+        context_comm_type(dense, ParallelConfig(context=4, cp_comm_type="a2a"))
+    with pytest.raises(ValueError, match="hierarchical"):
+        context_comm_type(dense, ParallelConfig(context=2, cp_comm_type="a2a+p2p"))
+    with pytest.raises(ValueError, match="cp_comm_type"):
+        ParallelConfig(context=2, cp_comm_type="ring")
+    # packed rows: THD under CP through p2p only; explicit packing refused, auto pads
+    with pytest.raises(ValueError, match="pack_tokens"):
+        check_model(windowed, ModelConfig(path="x"), ParallelConfig(context=2, pack_tokens=4096))
+    check_model(dense, ModelConfig(path="x"), ParallelConfig(context=2, pack_tokens=4096))
+    assert pack_capacity(cp, 1000, True, 4, packs_with(context_comm_type(windowed, cp))) == 0
+    assert pack_capacity(cp, 1000, True, 4, packs_with(context_comm_type(dense, cp))) == 1000
+    from mugrpo_megatron.learner.model import transformer_config
+
+    assert transformer_config(windowed, ModelConfig(path="x"), cp).cp_comm_type == "all_gather"
+
+
+def test_pad_between_seqs_is_tes_own_test_on_the_host():
+    """``context.pad_between_seqs`` gives what TE computes with ``torch.equal`` on the device
+    when megatron leaves it None, for random packed rows; the field is passed where megatron's
+    PackedSeqParams has it (0.19), and its cost stated where not (0.16.1)."""
+    import dataclasses
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from mugrpo_megatron.learner.context import pad_between_seqs, thd_params
+    from mugrpo_megatron.learner.packing import pack_row
+
+    g = torch.Generator().manual_seed(5)
+    for align in (1, 2, 4):
+        for _ in range(20):
+            n = int(torch.randint(1, 5, (1,), generator=g))
+            lengths = torch.randint(2, 9, (n,), generator=g).tolist()
+            tokens = torch.arange(1, 1 + n * 8).reshape(n, 8)
+            capacity = sum(-(-x // align) * align for x in lengths) + align
+            row = pack_row(tokens, lengths, capacity=capacity, align=align)
+            params = thd_params(row, "cpu")
+            q, qp = params.cu_seqlens_q, params.cu_seqlens_q_padded
+            te = qp is not None and not torch.equal(qp[:-1], q[:-1])
+            assert pad_between_seqs(row) == te, (lengths, align)
+            has_field = "pad_between_seqs" in {f.name for f in dataclasses.fields(PackedSeqParams)}
+            assert getattr(params, "pad_between_seqs", None) == (te if has_field else None)

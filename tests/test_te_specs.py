@@ -143,13 +143,14 @@ def test_a_checkpoint_tensor_no_parameter_takes_is_an_error(world, tmp_path, mon
     latents' norms dropped from DeepSeek-V3's spec (``qk_layernorm`` off, issue 52: TE's block
     spec would then build its up projections without them), loading names them instead of
     training without them; with the norms, the same checkpoint loads."""
+    from mugrpo_megatron.learner.hf_weights import load_hf_weights
     from mugrpo_megatron.models.hf_config import read_model_spec
     from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(tmp_path, "deepseek_v3", num_layers=2, hidden_size=64,
                               ffn_hidden_size=64)
     spec, model = read_model_spec(hf), ModelConfig(path=str(hf))
-    world.load_hf_weights(world.build_chunks(spec, model, ParallelConfig()), spec, hf, 0, 1)
+    load_hf_weights(world.build_chunks(spec, model, ParallelConfig()), spec, hf, 0, 1)
     config = world.transformer_config
 
     def without_latent_norms(*args):
@@ -161,5 +162,5 @@ def test_a_checkpoint_tensor_no_parameter_takes_is_an_error(world, tmp_path, mon
     monkeypatch.setattr(world, "transformer_config", without_latent_norms)
     chunks = world.build_chunks(spec, model, ParallelConfig())
     with pytest.raises(ValueError, match="went into no parameter") as e:
-        world.load_hf_weights(chunks, spec, hf, 0, 1)
+        load_hf_weights(chunks, spec, hf, 0, 1)
     assert "q_a_layernorm" in str(e.value) or "kv_a_layernorm" in str(e.value)

@@ -72,6 +72,10 @@ class ModelConfig(Section):
                        "model.router_load_balancing: none")
 
 
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
+"""megatron-core's ``cp_comm_type`` values (``parallel.cp_comm_type``; ``layout.context``)."""
+
+
 @dataclass(frozen=True)
 class ParallelConfig(Section):
     _name: ClassVar[str] = "parallel"
@@ -93,6 +97,14 @@ class ParallelConfig(Section):
     veto's first trigger, per-response counts and log-probs are assembled across the group.
     Packed rows (pack_tokens) cut each sequence on its own, padded to a multiple of 2 x this
     (Transformer Engine's THD rule). Not yet with a mixture of experts."""
+    cp_comm_type: Literal["auto", "p2p", "a2a", "all_gather", "a2a+p2p"] = "auto"
+    """How context-parallel ranks exchange keys and values (megatron-core's
+    ``TransformerConfig.cp_comm_type``, Megatron-LM ``--cp-comm-type``, the same values): 'p2p'
+    (a ring of K/V chunks, overlapped with the attention), 'all_gather' (every rank gathers the
+    whole K/V first), 'a2a' (heads scattered over the CP group, as Ulysses), 'a2a+p2p'
+    (hierarchical; not built here). 'auto': p2p, or all_gather for a sliding-window model.
+    Transformer Engine's rules for them (sliding windows, MLA, heads, packed rows) are checked
+    before any process group (``layout.context``); the dry run names the one chosen."""
     sequence_parallel: bool = False
     """Shard layer-norm and dropout activations along the sequence over the TP group (needs TP > 1)."""
     distributed_optimizer: bool = True
@@ -145,6 +157,9 @@ class ParallelConfig(Section):
         if self.pack_tokens != "auto" and self.pack_tokens < 0:
             self._fail("pack_tokens", "must be >= 0 (0: pad instead of packing) or auto")
         self._non_negative("pad_tokens_to")
+        if self.cp_comm_type not in ("auto", *CP_COMM_TYPES):  # the Literal, built directly too
+            self._fail("cp_comm_type", f"{self.cp_comm_type!r} is none of auto, "
+                       f"{', '.join(CP_COMM_TYPES)}")
 
     def data_parallel(self, world_size: int) -> int:
         """The data-parallel size for ``world_size`` processes; ValueError if it does not divide."""

@@ -18,7 +18,7 @@ from mugrpo_megatron.dryrun.memory import (
     estimate,
     microbatch_tokens,
 )
-from mugrpo_megatron.layout import check_layout
+from mugrpo_megatron.layout import check_layout, context_comm_type
 from mugrpo_megatron.models.hf_config import read_model_spec
 from mugrpo_megatron.phase.schedule import describe_schedule
 
@@ -55,10 +55,12 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"{spec.num_layers} layers, vocab {spec.vocab_size} (padded {spec.padded_vocab_size(p.tensor)})",
         f"layout: world {world_size} = TP {p.tensor} x PP {p.pipeline}"
         + (f" (virtual {p.virtual_pipeline})" if p.virtual_pipeline else "")
-        + (f" x CP {p.context}" if p.context > 1 else "")
+        + (f" x CP {p.context} ({context_comm_type(spec, p)} exchange"
+           + (", chosen by rule" if p.cp_comm_type == "auto" else "") + ")"
+           if p.context > 1 else "")
         + f" x DP {e['dp']}; sequence parallel {p.sequence_parallel}; distributed optimizer "
           f"{p.distributed_optimizer}; {layout.placement.describe()}",
-        f"schedule: {describe_schedule(cfg)}; microbatches: {microbatch_tokens(cfg)[1]}",
+        f"schedule: {describe_schedule(cfg)}; microbatches: {microbatch_tokens(cfg, spec)[1]}",
         f"precision: {cfg.model.dtype}" + (f", FP8 {cfg.model.fp8_format} ({cfg.model.fp8_recipe})"
                                            if cfg.model.fp8_format else ""),
         *([f"experts: {spec.num_experts // p.expert} a rank in each of "

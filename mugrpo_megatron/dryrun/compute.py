@@ -41,7 +41,7 @@ def update_seconds(cfg: Config, spec: ModelSpec, dp: int, world: int) -> dict:
     extra = {"none": 0.0, "selective": core, "full": gemm + core}[cfg.model.recompute]
     flops = cfg.algo.samples_per_update * (3 * (gemm + core) + extra)
     rank_tokens = cfg.algo.samples_per_update * seq / dp  # a DP rank's share, over its CP ranks
-    microbatches = max(1, round(rank_tokens / (microbatch_tokens(cfg)[0] * p.context)))
+    microbatches = max(1, round(rank_tokens / (microbatch_tokens(cfg, spec)[0] * p.context)))
     bubble = (p.pipeline - 1) / ((p.virtual_pipeline or 1) * microbatches)
     seconds = flops * (1 + bubble) / (world * ASSUMED_MFU * DATASHEET_BF16)
     return {"flops": flops, "attention_share": core / (gemm + core), "bubble": bubble,

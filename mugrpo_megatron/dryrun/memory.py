@@ -65,7 +65,7 @@ import math
 from dataclasses import dataclass
 
 from mugrpo_megatron.config import Config
-from mugrpo_megatron.layout import pack_capacity, token_multiple
+from mugrpo_megatron.layout import context_comm_type, pack_capacity, packs_with, token_multiple
 from mugrpo_megatron.models.hf_config import ModelSpec
 
 GIB = 1 << 30
@@ -117,14 +117,15 @@ def pinned(nbytes: float) -> int:
     return 1 << max(0, math.ceil(math.log2(max(nbytes, 1))))
 
 
-def microbatch_tokens(cfg: Config) -> tuple[int, str]:
+def microbatch_tokens(cfg: Config, spec: ModelSpec) -> tuple[int, str]:
     """Tokens of the largest microbatch on a GPU (Transformer Engine installed, as the GPU
     install has it), and how they are laid out: a packed row (``parallel.pack_tokens``: 'auto'
     packs there, into rows of micro_batch_size x the longest sequence), or micro_batch_size rows
     padded to the longest sequence; under context parallelism a CP rank's share of either."""
     p = cfg.parallel
     packed = pack_capacity(p, cfg.max_sequence_tokens, thd=True,
-                           multiple=token_multiple(cfg.model, p))
+                           multiple=token_multiple(cfg.model, p),
+                           exchange_packs=packs_with(context_comm_type(spec, p)))
     if packed:
         cp = (f", each CP rank holding 2 of the {2 * p.context} chunks of every sequence in it "
               f"(each padded to a multiple of {2 * p.context})") if p.context > 1 else ""
@@ -144,7 +145,7 @@ def cp_ring_bytes(cfg: Config, spec: ModelSpec) -> float:
     p = cfg.parallel
     if p.context == 1:
         return 0.0
-    tokens = microbatch_tokens(cfg)[0]
+    tokens = microbatch_tokens(cfg, spec)[0]
     kv = 2 * tokens * spec.num_kv_heads / p.tensor * spec.head_dim * BYTES[cfg.model.dtype]
     return 2 * kv * 2  # two buffers; forward's K, V and backward's dK, dV at the peak
 
@@ -160,7 +161,7 @@ def activation_bytes(cfg: Config, spec: ModelSpec, dp: int, recompute: str) -> t
     """Activation memory of the first pipeline stage during an update with ``recompute``, and the
     microbatches it holds in flight (1F1B: up to PP)."""
     p = cfg.parallel
-    tokens = microbatch_tokens(cfg)[0]  # s x b of the formulas
+    tokens = microbatch_tokens(cfg, spec)[0]  # s x b of the formulas
     h, tp = spec.hidden_size, p.tensor
     layers_stage = spec.num_layers / p.pipeline
     in_flight = min(p.pipeline, max(1, cfg.algo.samples_per_update // (dp * p.micro_batch_size)))
@@ -322,7 +323,7 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     optim_b = opt_per_param * (dense_params / shard_dense + expert_params / shard_expert)
     state = params_b + grads_b + optim_b
 
-    tokens = microbatch_tokens(cfg)[0]
+    tokens = microbatch_tokens(cfg, spec)[0]
     act, in_flight = activation_bytes(cfg, spec, dp, cfg.model.recompute)
     logits = logits_bytes(tokens, vocab_rows, cfg.model.dtype, r.temperature,
                           entropy_grad=cfg.algo.entropy_coef > 0)

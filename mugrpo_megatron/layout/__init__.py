@@ -3,7 +3,8 @@
 - ``check_layout``: the learner's parallel sizes against the world size and the minibatch, where
   the rollout engines run (``placement``), and, given the model's ``ModelSpec``, the model
   (``check_model``: heads over TP, experts over EP, layers over the pipeline stages, sequence
-  parallel for a mixture of experts at TP > 1, FP8's GEMM shapes). ``train``, ``train --dry-run``
+  parallel for a mixture of experts at TP > 1, FP8's GEMM shapes, the context-parallel exchange:
+  ``context``). ``train``, ``train --dry-run``
   and ``plan`` call it first, ``convert`` calls its parts that apply to a conversion
   (``check_conversion``: the world size and ``check_model``), and the learner calls
   ``check_model`` before it builds: one check, so a layout the dry run passes is one the learner
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mugrpo_megatron.config import Config, ModelConfig, ParallelConfig
+from mugrpo_megatron.layout.context import check_packing, context_comm_type, packs_with
 from mugrpo_megatron.layout.placement import Placement, launcher_ranks_per_node, placement
 from mugrpo_megatron.layout.shapes import (
     check_model_dims,
@@ -32,8 +34,9 @@ from mugrpo_megatron.layout.shapes import (
 )
 from mugrpo_megatron.models.hf_config import ModelSpec
 
-__all__ = ["JobLayout", "Placement", "check_conversion", "check_layout", "check_model", "gemm_inputs_ok",
-           "launcher_ranks_per_node", "pack_capacity", "placement", "round_up", "token_multiple"]
+__all__ = ["JobLayout", "Placement", "check_conversion", "check_layout", "check_model",
+           "context_comm_type", "gemm_inputs_ok", "launcher_ranks_per_node", "pack_capacity",
+           "packs_with", "placement", "round_up", "token_multiple"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ def check_model(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) -
     if spec.mla is not None and parallel.context > 1:
         raise ValueError("parallel.context: context parallelism with multi-latent attention "
                          "is not implemented yet; use parallel.context: 1")
+    check_packing(spec, parallel)  # and the context-parallel exchange (layout.context)
     stages = parallel.pipeline * (parallel.virtual_pipeline or 1)
     if spec.num_layers % stages:
         raise ValueError(f"parallel.pipeline x virtual_pipeline = {stages} does not divide the "

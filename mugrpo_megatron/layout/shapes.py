@@ -57,15 +57,16 @@ def token_multiple(model: ModelConfig, parallel: ParallelConfig) -> int:
 
 
 def pack_capacity(parallel: ParallelConfig, max_sequence_tokens: int, thd: bool,
-                  multiple: int) -> int:
+                  multiple: int, exchange_packs: bool = True) -> int:
     """Tokens of a packed microbatch row (0: pad): ``parallel.pack_tokens``, where 'auto' packs
     through Transformer Engine's THD attention (``thd``) into rows of micro_batch_size x the
     longest sequence (``max_sequence_tokens``: data.max_prompt_tokens + rollout.max_new_tokens),
-    the most a padded microbatch could hold, and pads without TE; rounded up to ``multiple``
-    (FP8, sequence parallel, 2 x context)."""
+    the most a padded microbatch could hold, and pads without TE or where the context-parallel
+    exchange refuses THD (``exchange_packs``: ``layout.context.packs_with``); rounded up to
+    ``multiple`` (FP8, sequence parallel, 2 x context)."""
     tokens = parallel.pack_tokens
     if tokens == "auto":
-        tokens = parallel.micro_batch_size * max_sequence_tokens if thd else 0
+        tokens = parallel.micro_batch_size * max_sequence_tokens if thd and exchange_packs else 0
     return round_up(tokens, multiple) if tokens else 0
 
 

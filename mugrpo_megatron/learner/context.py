@@ -27,6 +27,7 @@ assume for BSHD rows).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -87,12 +88,29 @@ def packed_split_for(whole: PackedRow) -> PackedChunkSplit:
 def thd_params(row: PackedRow, device) -> PackedSeqParams:
     """megatron's THD parameters of a packed row (the whole row's, also under CP): offsets of
     the real tokens, and of the slots where sequences are padded to 2 x CP
-    (``cu_seqlens_q_padded``: TE's CP attention and megatron's THD RoPE cut by them)."""
+    (``cu_seqlens_q_padded``: TE's CP attention and megatron's THD RoPE cut by them).
+
+    ``pad_between_seqs`` from the host's offsets (``pad_between_seqs``) where megatron's
+    ``PackedSeqParams`` has the field (0.19): left None, TE works it out in every attention
+    layer with ``torch.equal`` on the device offsets (TE 2.9-2.20 ``DotProductAttention.
+    forward``), a host synchronisation a layer and microbatch, 80 a forward pass at 70B.
+    megatron-core 0.16.1 has no such field and TE then pays that cost."""
     cu = row.cu_seqlens(device)
     padded = row.cu_seqlens(device, padded=True) if row.slots is not None else None
+    extra = {"pad_between_seqs": pad_between_seqs(row)} if _HAS_PAD_FIELD else {}
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
-                           max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen)
+                           max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen, **extra)
+
+
+_HAS_PAD_FIELD = "pad_between_seqs" in {f.name for f in dataclasses.fields(PackedSeqParams)}
+
+
+def pad_between_seqs(row: PackedRow) -> bool:
+    """TE's ``pad_between_seqs`` of a row, on the host: whether a sequence's padded start differs
+    from its real start (TE: ``not torch.equal(cu_seqlens_q_padded[:-1], cu_seqlens_q[:-1])``,
+    False without padded offsets)."""
+    return row.slots is not None and row.offsets(True)[:-1] != row.offsets()[:-1]
 
 
 def split_for(seq: int) -> ChunkSplit | None:

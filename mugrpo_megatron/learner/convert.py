@@ -65,7 +65,8 @@ def hf_to_megatron(hf_dir: Path, out: Path, parallel: ParallelConfig, dtype: str
     checked the layout, ``layout.check_model``, and that ``out`` may be replaced:
     ``outputs.check_destination``)."""
     from mugrpo_megatron.learner.checkpoint import model_sharded_state, save_checkpoint
-    from mugrpo_megatron.learner.model import build_chunks, init_parallel, load_hf_weights
+    from mugrpo_megatron.learner.hf_weights import load_hf_weights
+    from mugrpo_megatron.learner.model import build_chunks, init_parallel
 
     spec = read_model_spec(hf_dir)
     layout = init_parallel(parallel, seed=0)

@@ -39,7 +39,7 @@ from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
 
 from mugrpo_megatron import distributed, outputs
-from mugrpo_megatron.learner.model import expert_offset, named_hf_params
+from mugrpo_megatron.learner.hf_weights import expert_offset, named_hf_params
 from mugrpo_megatron.models.hf_config import TOKENIZER_FILES, ModelSpec
 from mugrpo_megatron.models.mapping import (
     ENGINE_SHARDED,

@@ -35,9 +35,10 @@ from megatron.core.transformer.module import Float16Module
 
 from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config, ModelConfig, OptimConfig, ParallelConfig
-from mugrpo_megatron.layout import pack_capacity, round_up, token_multiple
+from mugrpo_megatron.layout import context_comm_type, pack_capacity, packs_with, round_up, token_multiple
 from mugrpo_megatron.learner.context import packed_split_for, split_for, thd_params
 from mugrpo_megatron.learner.fp8 import forward_amaxes_kept
+from mugrpo_megatron.learner.hf_weights import load_hf_weights
 from mugrpo_megatron.learner.logits import policy_logits, vocab_parallel_entropy
 from mugrpo_megatron.learner.microbatch import (
     MicroBatch,
@@ -53,7 +54,6 @@ from mugrpo_megatron.learner.model import (
     build_chunks,
     ddp_config,
     init_parallel,
-    load_hf_weights,
     lr_schedule,
     optimizer_config,
     uses_transformer_engine,
@@ -137,8 +137,9 @@ class Learner:
         self.uses_thd = uses_transformer_engine(model)
         self.token_multiple = token_multiple(model, parallel)
         """Microbatch rows (and packed rows) are padded to a multiple of this (``fp8``)."""
-        self.pack_capacity = pack_capacity(parallel, max_sequence_tokens, self.uses_thd,
-                                           self.token_multiple)
+        self.pack_capacity = pack_capacity(
+            parallel, max_sequence_tokens, self.uses_thd, self.token_multiple,
+            exchange_packs=packs_with(context_comm_type(self.spec, parallel)))
         """Tokens of a packed microbatch row; 0 pads instead (``parallel.pack_tokens``)."""
         self._fp8_delayed = model.fp8_format is not None and model.fp8_recipe == "delayed"
         self._fp8_uncalibrated = self._fp8_delayed

@@ -9,11 +9,8 @@ rows and columns of the safetensors files that its tensor-parallel shards hold.
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from mugrpo_megatron.learner.compat_megatron import (
@@ -42,14 +39,12 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-from safetensors import safe_open
 
 from mugrpo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
 from mugrpo_megatron.distributed import init_default_group
-from mugrpo_megatron.layout import check_model
+from mugrpo_megatron.layout import check_model, context_comm_type
 from mugrpo_megatron.learner.fp8 import transformer_engine_ready
 from mugrpo_megatron.models.hf_config import ModelSpec
-from mugrpo_megatron.models.mapping import map_param, shard_from_hf
 from mugrpo_megatron.models.rope import latent_yarn_mscales
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -119,7 +114,7 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         sequence_parallel=parallel.sequence_parallel, expert_model_parallel_size=parallel.expert,
-        context_parallel_size=parallel.context,
+        context_parallel_size=parallel.context, cp_comm_type=context_comm_type(spec, parallel),
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=not torch.cuda.is_available(),
         # True even though the checkpoint overwrites the values: megatron only tags TP-sharded
@@ -429,117 +424,3 @@ def build_chunks(spec: ModelSpec, model: ModelConfig, parallel: ParallelConfig) 
                         param.requires_grad_(False)
             chunks.append(chunk)
     return chunks
-
-
-def global_layer_numbers(chunk: torch.nn.Module) -> dict[int, int]:
-    """Local layer index within this chunk -> global 0-based layer number (PP and virtual PP)."""
-    return {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
-
-
-def expert_offset(spec: ModelSpec) -> int:
-    """Global index of this expert-parallel rank's first expert."""
-    if not spec.is_moe:
-        return 0
-    ep = mpu.get_expert_model_parallel_world_size()
-    return mpu.get_expert_model_parallel_rank() * (spec.num_experts // ep)
-
-
-def named_hf_params(chunk: torch.nn.Module, spec: ModelSpec):
-    """(megatron name, parameter, ParamMap) for every parameter of a chunk, and the routers'
-    expert bias (a buffer: HF's ``e_score_correction_bias``, loaded, exported and synced)."""
-    layers = global_layer_numbers(chunk)
-    offset = expert_offset(spec)
-    biases = [(n, b) for n, b in chunk.named_buffers() if n.endswith("router.expert_bias")]
-    for name, param in [*chunk.named_parameters(), *biases]:
-        parts = name.split(".")
-        layer = None
-        if "layers" in parts:
-            layer = layers[int(parts[parts.index("layers") + 1])]
-        yield name, param, map_param(name, spec, layer, offset)
-
-
-class SafetensorsReader:
-    """Reads tensors, or only some rows/columns of them, from an HF safetensors checkpoint."""
-
-    def __init__(self, hf_dir: str | Path):
-        hf_dir = Path(hf_dir)
-        index = hf_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: hf_dir / f for name, f in weight_map.items()}
-        elif (hf_dir / "model.safetensors").is_file():
-            with safe_open(hf_dir / "model.safetensors", "pt") as f:
-                self.files = {name: hf_dir / "model.safetensors" for name in f.keys()}
-        else:
-            raise ValueError(f"model.path: no model.safetensors or model.safetensors.index.json in "
-                             f"{hf_dir} (only safetensors checkpoints are read)")
-        self._handles: dict[Path, object] = {}
-        self.read: set[str] = set()
-        """The names read so far (``unread_layer_tensors``)."""
-
-    def __call__(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
-        if name not in self.files:
-            raise ValueError(f"tensor {name!r} is missing from the checkpoint")
-        self.read.add(name)
-        path = self.files[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(path, "pt")
-        handle = self._handles[path]
-        if index is None:
-            return handle.get_tensor(name)  # type: ignore[attr-defined]
-        return handle.get_slice(name)[index]  # type: ignore[attr-defined]
-
-
-@torch.no_grad()
-def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str | Path,
-                    tp_rank: int, tp_size: int) -> None:
-    """Copy this rank's shards of an HF checkpoint into its chunks; every parameter is checked."""
-    read = SafetensorsReader(hf_dir)
-    padded = spec.padded_vocab_size(tp_size)
-    if spec.mtp_layers and dist.get_rank() == 0:
-        print(f"note: {hf_dir} has {spec.mtp_layers} multi-token-prediction layer(s) "
-              f"(num_nextn_predict_layers): not loaded, trained or exported; the engine does not "
-              f"use them for sampling either", flush=True)
-    for chunk in chunks:
-        for name, param, pm in named_hf_params(chunk, spec):
-            if pm.expert is not None:  # experts are split over the expert tensor-parallel group
-                shard = shard_from_hf(pm, read, spec, mpu.get_expert_tensor_parallel_rank(),
-                                      mpu.get_expert_tensor_parallel_world_size(), padded)
-            else:
-                shard = shard_from_hf(pm, read, spec, tp_rank, tp_size, padded)
-            if shard.shape != param.shape:
-                raise ValueError(f"{name}: shard from {pm.hf_names} has shape {tuple(shard.shape)}, "
-                                 f"parameter has {tuple(param.shape)}")
-            param.copy_(shard.to(param.dtype))
-    held = {n for chunk in chunks for n in global_layer_numbers(chunk).values()}
-    first = expert_offset(spec)
-    experts = range(first, first + spec.num_experts // mpu.get_expert_model_parallel_world_size()) \
-        if spec.is_moe else None
-    if unread := unread_layer_tensors(read.files, read.read, held, experts):
-        raise ValueError(
-            f"{hf_dir}: {len(unread)} tensor(s) of this rank's layers went into no parameter of "
-            f"the model megatron-core built, e.g. {', '.join(sorted(unread)[:4])}: its layer spec "
-            f"lacks their modules (a norm built as an identity, say), which would train and "
-            f"export the model without them")
-
-
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
-
-
-def unread_layer_tensors(names, read: set[str], layers: set[int], experts: range | None
-                         ) -> list[str]:
-    """The checkpoint's tensors of ``layers`` (global numbers this rank holds) that nothing read:
-    every such tensor has a parameter on the rank that holds its layer (all TP ranks read a
-    slice), except other expert-parallel ranks' experts. Layers past the model's (DeepSeek-V3's
-    multi-token-prediction layers) are in no rank's ``layers``."""
-    out = []
-    for name in names:
-        m = _HF_LAYER.match(name)
-        if m is None or int(m[1]) not in layers or name in read or name.endswith("inv_freq"):
-            continue
-        e = _HF_EXPERT_INDEX.search("." + m[2])
-        if e is not None and experts is not None and int(e[1]) not in experts:
-            continue
-        out.append(name)
-    return out
