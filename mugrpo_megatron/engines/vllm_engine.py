@@ -38,6 +38,7 @@ from mugrpo_megatron.engines.compat_torch import torch_state_kept
 from mugrpo_megatron.engines.compat_vllm import (
     abort_requests,
     cpu_attention_kwargs,
+    expert_parallel,
     external_request_id,
     finished_requests,
     group_timeout_kwargs,
@@ -106,6 +107,12 @@ class VLLMEngine(RolloutEngine):
                 raise
         if starting:
             set_group_timeouts(timeout_minutes)
+        if spmd and expert_parallel(self.llm):
+            raise ValueError(
+                "the engine runs vLLM's expert parallelism (enable_expert_parallel: experts whole "
+                "by EP rank); the sync streams a spmd engine every TP rank's slice of every "
+                "expert (FusedMoE without it), so it would load the wrong slices. Not supported "
+                "yet: run the engine without it")
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self.sleep_discards_weights = self.supports_sleep  # level 2
         self._broken = ""
