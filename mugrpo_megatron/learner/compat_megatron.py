@@ -145,6 +145,12 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "_yarn_get_concentration_factor_from_config",
 )
 """``module:attribute`` of every upstream name a part below patches or reads."""
+UPSTREAM_VERSIONED: dict[str, str] = {
+    # learner/context.thd_params passes it where the field exists (TE's per-layer host sync else)
+    "megatron.core.packed_seq_params:PackedSeqParams.pad_between_seqs": ">=0.19",
+}
+"""Upstream names present only in part of the range (scripts/check_upstream.py checks each is
+present exactly there, and binds no call's keyword of that name outside it)."""
 _STREAM_WAITS_FROM = Version("0.19")
 
 

@@ -147,9 +147,9 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
             # experts as one grouped GEMM where TE is (TEGroupedMLP), one at a time elsewhere
             moe_grouped_gemm=uses_transformer_engine(model), **moe_family_kwargs(spec, model))
     rope = spec.rope_scaling
-    if spec.mla is not None:
-        kw.update(latent_attention_kwargs(spec))
-        if uses_transformer_engine(model) and kw["rope_type"] != "yarn":
+    latent = latent_attention_kwargs(spec) if spec.mla is not None else None
+    if latent is not None:
+        if uses_transformer_engine(model) and latent["rope_type"] != "yarn":
             kw["apply_rope_fusion"] = False  # megatron's fused MLA RoPE is YaRN's only
     elif rope is not None and rope["rope_type"] == "yarn":
         # HF and vLLM multiply cos and sin by the attention factor m, so q.k by m^2: the same
@@ -160,7 +160,8 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
         from mugrpo_megatron.learner.fp8 import fp8_kwargs
 
         kw.update(fp8_kwargs(model))
-    config = (MLATransformerConfig if spec.mla is not None else TransformerConfig)(**kw)
+    # two calls, so that scripts/check_upstream.py binds each class's keywords on their own
+    config = MLATransformerConfig(**kw, **latent) if latent is not None else TransformerConfig(**kw)
     if spec.mla is None and rope is not None and rope["rope_type"] == "yarn":
         yarn_config(config, rope)
     return config
@@ -308,7 +309,7 @@ class LatentCoreAttention(DotProductAttention):
     the config says, then dropped (``Attention.__init__`` builds a first one without them,
     which MLA's replaces)."""
 
-    def __init__(self, config: TransformerConfig, *args, k_channels: int | None = None,
+    def __init__(self, config: MLATransformerConfig, *args, k_channels: int | None = None,
                  v_channels: int | None = None, **kwargs):
         expected = (config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim)
         given = k_channels is not None or v_channels is not None
