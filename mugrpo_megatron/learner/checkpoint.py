@@ -43,6 +43,7 @@ from mugrpo_megatron import outputs
 from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.learner.compat_dcp import verify_checkpoint
 from mugrpo_megatron.learner.export import copy_tokenizer
+from mugrpo_megatron.learner.fp8 import own_fp8_state_loadable
 from mugrpo_megatron.models.hf_config import HF_CONFIG_DIR
 
 OPTIMIZER_FORMAT = "fully_sharded_model_space"
@@ -66,7 +67,7 @@ def load_model_state(chunks: list[torch.nn.Module], path: Path) -> None:
 
 
 def _load_model(chunks: list[torch.nn.Module], path: Path) -> None:
-    with megatron_on_cpu():
+    with megatron_on_cpu(), own_fp8_state_loadable():
         loaded = dist_checkpointing.load(model_sharded_state(chunks), str(path))
         for i, c in enumerate(chunks):
             c.load_state_dict(loaded[_model_key(i, len(chunks))])
@@ -223,7 +224,7 @@ def load_learner(learner, path: Path) -> dict:
         ensure_optimizer_state(learner.optimizer)
         tolerate_missing_step(learner.optimizer)
         saved_format = meta.get("optimizer_format", _LEGACY_FORMAT)
-        with megatron_on_cpu():
+        with megatron_on_cpu(), own_fp8_state_loadable():
             state = dist_checkpointing.load(
                 _sharded_state(learner, loading=True, optimizer_format=saved_format), str(path))
             chunks = learner.chunks()

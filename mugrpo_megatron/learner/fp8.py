@@ -10,6 +10,7 @@ Blackwell). The shapes an FP8 GEMM accepts are the layout's rules (``layout.shap
 from __future__ import annotations
 
 import importlib.util
+import os
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,7 +30,11 @@ UPSTREAM_VERSIONED: dict[str, str] = {
     "transformer_engine.pytorch.quantization:FP8GlobalStateManager.global_amax_buffer": "<2.15",
     "transformer_engine.pytorch.quantization:FP8GlobalStateManager.quantization_state": ">=2.15",
     "transformer_engine.pytorch.quantization:FP8GlobalState.global_amax_buffer": ">=2.15",
+    # set_extra_state refuses a pickled delayed-scaling state unless this variable is "1"
+    "transformer_engine.pytorch._extra_state:UNSAFE_PICKLE_EXTRA_STATE_ENV": ">=2.17",
 }
+UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+"""TE's ``UNSAFE_PICKLE_EXTRA_STATE_ENV`` (2.17-2.20 ``pytorch/_extra_state.py``)."""
 
 _MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
 
@@ -128,3 +133,24 @@ def amax_buffer(manager) -> dict[str, list[torch.Tensor]]:
     every call: ``reset()`` replaces the state object)."""
     state = getattr(manager, "quantization_state", None)
     return (manager if state is None else state).global_amax_buffer
+
+
+@contextmanager
+def own_fp8_state_loadable():
+    """Loading a checkpoint this stack wrote, with TE's FP8 delayed-scaling state in it. From TE
+    2.17 ``set_extra_state`` classifies the pickled state (the scales and amax histories, in a
+    uint8 tensor: ``get_extra_state``) and raises unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE``
+    is "1" (``_extra_state.should_load_extra_state_pickle``; 2.9-2.16 unpickle it as they
+    find it): every FP8 resume of both shipped 70B FP8 configs would stop there on Python 3.12.
+    A resume reads the run's own checkpoint (``learner/checkpoint.py``, its files verified first),
+    so the variable is set for the load alone and put back; stateless recipes and runs without
+    FP8 store an empty state, which TE never unpickles."""
+    before = os.environ.get(UNSAFE_PICKLE_ENV)
+    os.environ[UNSAFE_PICKLE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(UNSAFE_PICKLE_ENV, None)
+        else:
+            os.environ[UNSAFE_PICKLE_ENV] = before

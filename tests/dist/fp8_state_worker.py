@@ -12,6 +12,7 @@ rank's first extra-state ShardedObject is, and what each load gave it.
 """
 
 import json
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -32,7 +33,15 @@ LAYOUTS = {"tp1": {}, "tp2": {"tensor_model_parallel_size": 2},
 
 class TELikeLinear(torch.nn.Module):
     """A column-parallel linear whose extra state is in TE 2.x's format: a uint8 tensor of a
-    pickled dict of scales and amax histories (``get_extra_state``), unpickled on load."""
+    pickled dict of scales and amax histories (``get_extra_state``), unpickled on load only where
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE is "1", as TE 2.17-2.20 does (2.9-2.16 always)."""
+
+    UPSTREAM_DIGESTS = {  # read at TE 2.9.0, 2.11.0 (the first of each) and 2.20.2 (the second)
+        "transformer_engine.pytorch.module.base:TransformerEngineBaseModule.get_extra_state": (
+            "342b2901d84fc6ed", "7a9afd3ff746ec54"),
+        "transformer_engine.pytorch.module.base:TransformerEngineBaseModule.set_extra_state": (
+            "2a5a07cfa5dda7a9", "41a2d6a92cf1c6a1"),
+    }
 
     def __init__(self, weight: torch.Tensor, scale: float):
         super().__init__()
@@ -47,6 +56,8 @@ class TELikeLinear(torch.nn.Module):
         return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
 
     def set_extra_state(self, state: torch.Tensor) -> None:
+        if os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") != "1":  # TE >= 2.17
+            raise RuntimeError("Refusing to load pickled Transformer Engine extra state")
         self.loaded = pickle.loads(state.numpy().tobytes())  # as TE does (a file we wrote)
 
 
