@@ -7,6 +7,8 @@ Each section is recorded as ok (with its numbers), skipped (with why: a package 
 or failed (with the error); one failing section does not stop the others. On CPU the same code
 runs at a tiny size so that the script is tested; its numbers mean nothing there.
 
+0. te_specs (first, in seconds): every supported family's Transformer Engine layer spec built,
+   its model made and its checkpoint loaded whole, when TE is importable (``device_specs.py``).
 1. ceiling: the measured dense matrix-product rate (bf16 on GPU) and pinned host<->device copy
    bandwidth, the limits the learner's MFU and the offload/sync speeds are read against.
 2. learner_bf16: the megatron-core learner (world size 1; NCCL on GPU) on a random model of the
@@ -367,7 +369,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--sections", default="ceiling,learner_bf16,offload,reshard,packing,engine,"
+    ap.add_argument("--sections", default="te_specs,ceiling,learner_bf16,offload,reshard,packing,engine,"
                                           "transitions,checkpoint,learner_fp8,fp8_odd_lengths,"
                                           "fp8_amax_per_microbatch,moe_grouped")
     ap.add_argument("--out", required=True)
@@ -381,6 +383,10 @@ def main() -> None:
     sections = args.sections.split(",")
     results: dict = {"size": args.size, "args": vars(args)}
     state: dict = {}
+    if "te_specs" in sections:  # first: what reading missed shows in the first GPU minute
+        from device_specs import te_specs
+
+        run_section("te_specs", lambda: te_specs(_Skip), results)
     path = make_model(args.size)
     if "ceiling" in sections:
         run_section("ceiling", lambda: ceiling(args), results)

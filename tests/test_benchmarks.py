@@ -41,6 +41,8 @@ def test_device_check_runs_every_section_it_can(tmp_path):
     assert r["learner_fp8"]["status"] == "skipped" and "GPU" in r["learner_fp8"]["why"]
     assert r["moe_grouped"]["status"] == "skipped" and "Transformer Engine" in \
         r["moe_grouped"]["why"]
+    assert r["te_specs"]["status"] == "skipped" and "test_te_specs" in r["te_specs"]["why"]
+    assert [k for k, v in r.items() if isinstance(v, dict) and "status" in v][0] == "te_specs"
     assert "section" in proc.stdout  # the table
     # every section says what it checked and what it could not; the run ends with the latter
     for name, v in r.items():
