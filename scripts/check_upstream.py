@@ -165,6 +165,9 @@ def problems(record: dict, refs: list[Ref], decl: dict) -> list[str]:
         for ref in refs:
             if ref.target.split(".")[0] != package:
                 continue
+            if ref.twice:
+                out.append(f"{ref.where}: {ref.target}(...) may be given {', '.join(ref.twice)} "
+                           f"twice (a TypeError whenever both parts pass it)")
             if ref.target not in got["found"] or (ref.call and _key(ref) not in got["signatures"]):
                 out.append(f"{ref.where}: {ref.target} was not read at {release}: run "
                            f"python scripts/check_upstream.py")

@@ -41,6 +41,9 @@ class Ref:
     forwarded: bool = False
     """Passes on the calling function's own ``*args``/``**kwargs`` (a wrapper of the target:
     whatever reaches it was bound by the wrapper's callers)."""
+    twice: tuple[str, ...] = ()
+    """Keywords two of the call's parts may both pass (``f(a=1, **kw)`` with ``a`` in ``kw``, or
+    two spreads sharing a key): a TypeError at run time whenever both do."""
 
 
 @dataclass
@@ -330,16 +333,21 @@ class _Analyzer(ast.NodeVisitor):
             bound = isinstance(node.func, ast.Attribute) and \
                 (self.resolve(node.func.value) or "").startswith("inst:")
             keywords: set[str] | None = set()
+            twice: set[str] = set()
             forwarded = any(isinstance(a, ast.Starred) and self._spread(a.value) is _FORWARDED
                             for a in node.args)
             for kw in node.keywords:
                 if kw.arg is not None:
-                    keywords.add(kw.arg)
+                    if keywords is not None and kw.arg in keywords:
+                        twice.add(kw.arg)
+                    keywords = None if keywords is None else keywords | {kw.arg}
                     continue
                 more = self._spread(kw.value)
                 if more is _FORWARDED:
                     forwarded = True
                     continue
+                if isinstance(more, set) and keywords is not None:
+                    twice |= keywords & more
                 keywords = None if more is None or keywords is None else keywords | more
             path = target.removeprefix("inst:")
             if target.startswith("inst:") and not bound:  # calling an instance: __call__
@@ -350,7 +358,7 @@ class _Analyzer(ast.NodeVisitor):
                 positional=sum(not isinstance(a, ast.Starred) for a in node.args),
                 star_args=any(isinstance(a, ast.Starred) for a in node.args),
                 keywords=None if keywords is None else tuple(sorted(keywords)), bound_self=bound,
-                forwarded=forwarded))
+                forwarded=forwarded, twice=tuple(sorted(twice))))
             for a in [*node.args, *[k.value for k in node.keywords]]:
                 self.visit(a)
             if isinstance(node.func, ast.Attribute):

@@ -303,6 +303,31 @@ def test_the_check_finds_the_calls_that_crashed_on_gpus():
     assert "was not read" in check.problems(record, [gone], decl)[0]
 
 
+def test_the_scan_sees_a_keyword_two_spreads_may_both_pass(tmp_path):
+    """``MLATransformerConfig(**kw, **latent)`` with ``kv_channels`` in both raised a TypeError
+    on every DeepSeek-V3 build (fixed as ``**{**kw, **latent}``): the scan names such a call."""
+    import textwrap
+
+    from upstream_refs import references
+
+    pkg = tmp_path / "mugrpo_megatron"
+    pkg.mkdir()
+    (pkg / "m.py").write_text(textwrap.dedent("""
+        from megatron.core.transformer import TransformerConfig
+
+        def build(a):
+            kw = dict(num_layers=1, kv_channels=2)
+            extra = {"kv_channels": 3}
+            TransformerConfig(**kw, **extra)
+            TransformerConfig(**{**kw, **extra})
+            TransformerConfig(num_layers=2, **kw)
+        """))
+    for d in ("benchmarks", "scripts"):
+        (tmp_path / d).mkdir()
+    got = [r.twice for r in references(tmp_path)]
+    assert got == [("kv_channels",), (), ("num_layers",)], got
+
+
 @pytest.mark.parametrize("dist, module", [("megatron-core", "megatron"),
                                           ("transformers", "transformers"), ("vllm", "vllm")])
 def test_signatures_read_from_source_are_the_installed_releases(dist, module):

@@ -161,7 +161,8 @@ def transformer_config(spec: ModelSpec, model: ModelConfig, parallel: ParallelCo
 
         kw.update(fp8_kwargs(model))
     # two calls, so that scripts/check_upstream.py binds each class's keywords on their own
-    config = MLATransformerConfig(**kw, **latent) if latent is not None else TransformerConfig(**kw)
+    config = MLATransformerConfig(**{**kw, **latent}) if latent is not None \
+        else TransformerConfig(**kw)
     if spec.mla is None and rope is not None and rope["rope_type"] == "yarn":
         yarn_config(config, rope)
     return config
