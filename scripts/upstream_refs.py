@@ -366,6 +366,12 @@ class _Analyzer(ast.NodeVisitor):
             return
         self.generic_visit(node)
 
+    def visit_Name(self, node: ast.Name) -> None:  # an imported upstream name, used
+        target = self.scope.lookup(node.id)
+        if target and isinstance(node.ctx, ast.Load) and not target.startswith("inst:") \
+                and _upstream(target) and "." in target:
+            self.refs.append(Ref(target, f"{self.file}:{node.lineno}", False))
+
     def visit_Attribute(self, node: ast.Attribute) -> None:
         target = self.resolve(node)
         if target and _upstream(target.removeprefix("inst:")) and isinstance(node.ctx, ast.Load):

@@ -1,10 +1,8 @@
 """Every patch of, and reach into, megatron-core's internals, in one place.
 
-Checked against megatron-core 0.16.1 (Python 3.11, the main environment) and 0.19.2 (Python 3.12,
-``scripts/test_mcore_latest.sh``). Each part says why it exists and where it applies;
-``UPSTREAM_SYMBOLS`` lists the upstream names the parts patch or read, and
-``tests/test_compat.py`` fails, naming the symbol, when a release moves or drops one, instead of
-letting a patch go silently inert.
+Checked against megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12). Each part says why
+it exists and where it applies; ``UPSTREAM_SYMBOLS`` lists the names the parts patch or read, which
+``tests/test_compat.py`` and ``scripts/check_upstream.py`` find at both ends of the range.
 
 1. **CPU stand-ins** (``megatron_on_cpu``), only when CUDA is absent (CI, laptops); a no-op
    context where ``torch.cuda.is_available()``. Inside it, and only there, each line below stands
@@ -13,12 +11,11 @@ letting a patch go silently inert.
    - ``torch.cuda.current_device()`` (rotary embeddings, TP layers, p2p shape tensors, DDP
      buffers, distributed optimizer) -> the CPU device.
    - ``torch.cuda.synchronize()`` (``p2p_communication.py``) -> no-op; gloo ops are synchronous.
-   - ``torch.cuda.current_stream()`` (``param_and_grad_buffer.py`` ``start_grad_sync``, from
-     0.19: it waits on CUDA-graph events, none on CPU) -> a stream whose waits do nothing.
+   - ``torch.cuda.current_stream()`` (``start_grad_sync``, 0.19: it waits on CUDA-graph events)
+     -> a stream whose waits do nothing.
    - ``torch.cuda.get_rng_state()`` / ``torch.cuda.manual_seed()`` and
      ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
-     (``CudaRNGStatesTracker.add``, ``model_parallel_cuda_manual_seed``) -> the CPU generator, so
-     the model-parallel RNG tracker forks and restores CPU states instead.
+     (``CudaRNGStatesTracker.add``, ``model_parallel_cuda_manual_seed``) -> the CPU generator.
    - ``device="cuda"`` / ``device=<int>`` in tensor factories (``schedules.py`` token counts,
      ``optimizer.py`` found-inf and scale buffers, ``clip_grads.py`` norms) -> ``device="cpu"``,
      and ``pin_memory=True`` (``rope_utils.get_pos_emb_on_this_cp_rank``, context parallel) ->
@@ -28,15 +25,14 @@ letting a patch go silently inert.
      ``model.recompute`` full or selective) -> the same, with the stand-in below active: the
      autograd engine runs backward functions without the Python modes of the forward pass, and
      the recomputed forward makes tensors on ``device="cuda"`` (the causal mask).
-   - ``Tensor.type()`` compared with ``'torch.cuda.FloatTensor'`` (``distrib_optimizer.py``,
-     ``optimizer.py``, ``clip_grads.py``) -> the CUDA spelling of the CPU tensor's type.
+   - ``Tensor.type()`` compared with ``'torch.cuda.FloatTensor'`` (``distrib_optimizer.py`` and
+     others) -> the CUDA spelling of the CPU tensor's type.
 
-2. **Without TE** (``without_transformer_engine``, only where TE is absent): 0.16.1's router
-   GEMM tests ``moe_utils.te_general_gemm is not None``, a name defined only with TE (0.19 always
-   defines it): set to None. Its MLA tests ``HAVE_TE and isinstance(x, TELinear)``, which raises
-   where megatron's TE wrappers import without TE (``TELinear`` a MagicMock): ``HAVE_TE`` False.
-   0.19's MLA binds the torch ``Linear`` it accepts as a down projection only under ``HAVE_TE``
-   (None else, and our local spec's whole down projections refused): bound as with TE.
+2. **Without TE** (``without_transformer_engine``): 0.16.1's router GEMM tests
+   ``moe_utils.te_general_gemm is not None``, defined only with TE: set to None. Its MLA tests
+   ``HAVE_TE and isinstance(x, TELinear)``, which raises where ``TELinear`` is megatron's
+   MagicMock: ``HAVE_TE`` False. 0.19's MLA binds the torch ``Linear`` its down projections may
+   be only under ``HAVE_TE``: bound as with TE.
 
 3. **Optimizer state with torch's Adam** (no apex or TE: the CPU, and GPUs without them):
    ``has_optimizer_state``, ``ensure_optimizer_state``, ``tolerate_missing_step``,
@@ -61,10 +57,9 @@ letting a patch go silently inert.
    layout reads any other's; a ``ShardedTensorFactory`` per state joins them back on load, and
    megatron's ``load_parameter_state_from_fs_model_space`` takes it from there.
 
-6. **No compiled fusions on CPU** (``_import_megatron``, at this module's import):
-   ``megatron/core/jit.py`` sets ``jit_fuser = torch.compile`` (0.16.1, 0.19.2), importing
-   dynamo and inductor (~4 s a start-up) for fusions a CPU run never calls: without CUDA,
-   megatron-core is imported with ``torch.compile`` the identity for the moment of the import.
+6. **No compiled fusions on CPU** (``_import_megatron``, at this module's import): ``jit.py``
+   sets ``jit_fuser = torch.compile`` (0.16.1, 0.19.2), importing dynamo and inductor (~4 s a
+   start-up) for fusions a CPU run never calls: ``torch.compile`` is the identity meanwhile.
 
 7. **Checkpoint writers that end with the run** (``checkpoint_writers_die_with_us``, before
    every save). megatron-core's file-system writer (``filesystem_async.py``) reports through the
@@ -74,10 +69,10 @@ letting a patch go silently inert.
    started with ``procs.die_with_parent``, which a forked writer also calls first.
 
 8. **YaRN through undeclared config attributes** (``yarn_config``): megatron-core's GPT model
-   reads ``yarn_*`` attributes of the TransformerConfig by ``getattr`` (0.16.1 ``gpt_model.py``
-   172-190), which no dataclass declares: set here. Its attention factor (``attention.py``
-   ``_yarn_get_concentration_factor_from_config``, ``apply_rotary_pos_emb``'s ``mscale``, which
-   TE's fused RoPE refuses unless 1) is held at 1; ``model.py`` squares HF's into softmax_scale.
+   reads ``yarn_*`` config attributes by ``getattr`` (0.16.1 ``gpt_model.py`` 172-190), which no
+   dataclass declares: set here. Its attention factor (``_yarn_get_concentration_factor_from_
+   config``, which TE's fused RoPE refuses unless 1) is held at 1; ``model.py`` squares HF's
+   into softmax_scale.
 """
 
 from __future__ import annotations
@@ -128,8 +123,6 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "megatron.core.transformer.moe.moe_utils:router_gating_linear",
     "megatron.core.transformer.multi_latent_attention:HAVE_TE",
     "megatron.core.transformer.multi_latent_attention:TELinear",
-    "megatron.core.transformer.multi_latent_attention:Linear",
-    "megatron.core.post_training.modelopt.layers:Linear",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
     "megatron.core.optimizer:ChainedOptimizer",
     "megatron.core.parallel_state:create_group",
@@ -145,12 +138,6 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "_yarn_get_concentration_factor_from_config",
 )
 """``module:attribute`` of every upstream name a part below patches or reads."""
-UPSTREAM_VERSIONED: dict[str, str] = {
-    # learner/context.thd_params passes it where the field exists (TE's per-layer host sync else)
-    "megatron.core.packed_seq_params:PackedSeqParams.pad_between_seqs": ">=0.19",
-}
-"""Upstream names present only in part of the range (scripts/check_upstream.py checks each is
-present exactly there, and binds no call's keyword of that name outside it)."""
 _STREAM_WAITS_FROM = Version("0.19")
 
 
@@ -269,7 +256,6 @@ def without_transformer_engine() -> None:
         multi_latent_attention.HAVE_TE = False
     if multi_latent_attention.Linear is None:  # 0.19 binds it only under HAVE_TE
         from megatron.core.post_training.modelopt.layers import Linear
-
         multi_latent_attention.Linear = Linear
 
 

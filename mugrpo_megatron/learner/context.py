@@ -104,6 +104,8 @@ def thd_params(row: PackedRow, device) -> PackedSeqParams:
 
 
 _HAS_PAD_FIELD = "pad_between_seqs" in {f.name for f in dataclasses.fields(PackedSeqParams)}
+UPSTREAM_VERSIONED: dict[str, str] = {  # scripts/check_upstream.py: present exactly there
+    "megatron.core.packed_seq_params:PackedSeqParams.pad_between_seqs": ">=0.19"}
 
 
 def pad_between_seqs(row: PackedRow) -> bool:
