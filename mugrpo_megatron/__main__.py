@@ -116,7 +116,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_score(args: argparse.Namespace) -> int:
     from mugrpo_megatron.score import score_file
 
-    score_file(_load(args), Path(args.completions), out=args.out, overwrite=args.overwrite)
+    score_file(_load(args), Path(args.completions), out=args.out, overwrite=args.overwrite,
+               explain=args.explain)
     return 0
 
 
@@ -210,6 +211,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--completions", required=True, metavar="FILE.jsonl",
                    help='one {"row": i, "completion": "..."} a line (a mixture: "file": k too)')
     p.add_argument("--out", default=None, help="write the scores here (default: stdout)")
+    p.add_argument("--explain", action="store_true",
+                   help="say why each completion scores what it does (code reward: no program, "
+                        "a syntax error, the first case failed and how; runs the programs again)")
     _overwrite_arg(p, "--out")
     p.set_defaults(fn=cmd_score)
     p = sub.add_parser("rollouts", help="summarise a run's rollouts of one phase and print "

@@ -62,6 +62,7 @@ def check_inputs(cfg: Config, overwrite: bool = False) -> list[str]:
             raise ValueError(f"model.path: cannot load the tokenizer of {model}: {e}") from e
     sources: dict[str, int] = {}
     absent: list[str] = []
+    truths = CodeTruths(cfg)
     sets = [(f"data.path[{i}]" if len(cfg.data.paths) > 1 else "data.path", path, False)
             for i, path in enumerate(cfg.data.paths)]
     sets += [(f"data.eval_path.{name}" if isinstance(cfg.data.eval_path, dict)
@@ -71,6 +72,7 @@ def check_inputs(cfg: Config, overwrite: bool = False) -> list[str]:
         try:
             for chunk in iter_prompt_chunks(cfg.data, tokenizer, report, held_out=held_out,
                                             path=path, key=key, tokenize_rows=CHUNK_ROWS):
+                truths.see(key, chunk)
                 for s in chunk.sources:
                     found[s] = found.get(s, 0) + 1
                 longest = max([longest, *map(len, chunk.token_ids)])
@@ -92,6 +94,8 @@ def check_inputs(cfg: Config, overwrite: bool = False) -> list[str]:
     elif cfg.reward.by_source:
         check_routes(cfg, list(sources))
         lines.append("reward.by_source: every key names a source of the data")
+    if said := truths.line():
+        lines.append(said)
     if coverage := mixture_coverage(cfg):
         lines.append(coverage)
     if tokenizer is None:
@@ -103,6 +107,45 @@ def check_inputs(cfg: Config, overwrite: bool = False) -> list[str]:
             "replace": "replaced (--overwrite)", "finished": "holds this run, finished: "
             "train says so and does nothing"}[start])
     return lines
+
+
+class CodeTruths:
+    """Every ground truth of a row routed to the code reward, parsed as its test cases
+    (``rewards.code.parse_cases``), as ``plan`` and ``score`` read the rows: a bad one is a
+    reward failure of every response to that row in training."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.parsed, self.bad = cfg, 0, []
+        self.examples: list[str] = []
+
+    def see(self, key: str, chunk) -> None:
+        from mugrpo_megatron.rewards.code import parse_cases
+
+        r = self.cfg.reward
+        for source, answer, row in zip(chunk.sources, chunk.answers, chunk.rows):
+            if r.by_source.get(source, r.name) != "code":
+                continue
+            self.parsed += 1
+            try:
+                parse_cases(answer)
+            except ValueError as e:
+                self.bad.append(f"{key} row {row}")
+                if len(self.examples) < 5:
+                    self.examples.append(f"{key} row {row} ({source}): {e}")
+
+    def line(self) -> str | None:
+        """The finding in a line; ValueError where training would stop at the first bad row
+        (``reward.on_error: raise``)."""
+        if not self.parsed:
+            return None
+        if not self.bad:
+            return f"code ground truths: all {self.parsed} parsed as test cases"
+        said = (f"code ground truths: {len(self.bad)} of {self.parsed} are not test cases (each "
+                f"response to them is a reward failure): " + "; ".join(self.examples))
+        if self.cfg.reward.on_error == "raise":
+            raise ValueError(said + ". reward.on_error is 'raise', so training would stop at "
+                                    "the first: fix the rows, or drop them from the data")
+        return said
 
 
 def check_rewards(cfg: Config) -> None:
@@ -117,13 +160,19 @@ def check_rewards(cfg: Config) -> None:
     specs, _ = reward_specs(cfg.reward)
     if not any("sandbox" in s.takes for s in specs):
         return
+    if cfg.reward.uses_code and "boxed" in cfg.data.instruction:
+        print(f"warning: data.instruction is {cfg.data.instruction!r}, a math instruction, and "
+              f"the code reward scores a fenced python block, which it does not ask for: set "
+              f"data.instruction to the code instruction your rows expect, or '' (the shipped "
+              f"configs/qwen2.5-coder-7b_8xh100_code.yaml does)", file=sys.stderr, flush=True)
     if cfg.reward.sandbox == UNSAFE:
         print("warning: reward.sandbox is 'unsafe': the programs the policy writes run with the "
               "limits of reward.sandbox_* but no isolation at all (they see this machine's files,"
               " network and processes as the scorer does). Use it only for programs you trust; "
               "reward.sandbox: bwrap runs them in the OS sandbox.", file=sys.stderr, flush=True)
         return
-    probe(SandboxSpec.of(cfg.reward))
+    for note in probe(SandboxSpec.of(cfg.reward)):
+        print(f"warning: {note}", file=sys.stderr, flush=True)
 
 
 def load_tokenizer(cfg: Config):

@@ -61,10 +61,13 @@ def read_completions(path: Path, num_files: int) -> list[tuple[int, int, str]]:
 
 
 def score_file(cfg: Config, completions: Path, out: str | None = None,
-               overwrite: bool = False) -> dict:
-    """The ``score`` command (the module docstring); returns the summary."""
+               overwrite: bool = False, explain: bool = False) -> dict:
+    """The ``score`` command (the module docstring); returns the summary. ``explain``: each code
+    row's line says why it scores what it does (``rewards.code.explain``: the program run again,
+    in this process)."""
     from mugrpo_megatron.data import iter_prompt_chunks
-    from mugrpo_megatron.inputs import check_rewards, load_tokenizer
+    from mugrpo_megatron.data.prompt_store import check_routes
+    from mugrpo_megatron.inputs import CodeTruths, check_rewards, load_tokenizer
     from mugrpo_megatron.types import LoadReport
 
     if out:
@@ -77,15 +80,22 @@ def score_file(cfg: Config, completions: Path, out: str | None = None,
     wanted = {(f, r) for f, r, _ in items}
     rows: dict[tuple[int, int], RowInfo] = {}
     answers: dict[tuple[int, int], str] = {}
+    sources: set[str] = set()
+    truths = CodeTruths(cfg)  # what plan checks, checked here too
     for f, path in enumerate(cfg.data.paths):
-        if not any(k[0] == f for k in wanted):
-            continue
+        key = f"data.path[{f}]" if len(cfg.data.paths) > 1 else "data.path"
         for chunk in iter_prompt_chunks(cfg.data, tokenizer, LoadReport(source=path), path=path):
+            sources.update(chunk.sources)
+            truths.see(key, chunk)
             for j, row in enumerate(chunk.rows):
                 if (f, row) in wanted:
                     text = chunk.texts[j] if chunk.texts else ""
                     rows[f, row] = RowInfo(chunk.sources[j], text, chunk.metadata[j], row)
                     answers[f, row] = chunk.answers[j]
+    if cfg.reward.by_source:
+        check_routes(cfg, sorted(sources))  # a by_source key no row has: refused, as plan does
+    if said := truths.line():
+        print(f"[score] {said}", file=sys.stderr, flush=True)
     for f, row, _ in items:
         if (f, row) not in rows:
             raise ValueError(f"--completions: data.path[{f}] ({cfg.data.paths[f]}) has no usable "
@@ -104,6 +114,8 @@ def score_file(cfg: Config, completions: Path, out: str | None = None,
         line = {"row": row, "file": f, "source": source, "score": score}
         if i in failed:
             line["failed"] = True
+        if explain:
+            line["why"] = _why(cfg, source, items[i][2], answers[f, row], outcome, i)
         lines.append(json.dumps(line))
     text = "\n".join(lines) + "\n"
     if out:
@@ -121,3 +133,15 @@ def score_file(cfg: Config, completions: Path, out: str | None = None,
           + ", ".join(f"{s} {v:.4f}" for s, v in summary["by_source"].items()) + ")"
           + (f"; reward: {failures}" if failures else ""), file=sys.stderr, flush=True)
     return summary
+
+
+def _why(cfg: Config, source: str, completion: str, answer: str, outcome, i: int) -> str:
+    """``score --explain``'s reason for one completion."""
+    from mugrpo_megatron.rewards.code import explain
+    from mugrpo_megatron.rewards.sandbox import SandboxSpec
+
+    if i in outcome.failed:
+        return "the reward failed (see the failures on stderr)"
+    if cfg.reward.by_source.get(source, cfg.reward.name) != "code":
+        return "a reward without reasons (only the code reward explains its scores)"
+    return explain(completion, answer, SandboxSpec.of(cfg.reward))

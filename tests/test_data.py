@@ -72,7 +72,8 @@ BAD_ROWS = [
                                      "content} messages, got int"),
     ({"question": "Q4", "answer": ""}, "field 'answer' is empty"),
     ({"question": "Q5"}, "missing field 'answer'"),
-    ({"question": "Q6", "answer": {"x": 1}}, "field 'answer' must be a string or a number, got dict"),
+    ({"question": "Q6", "answer": [1, 2]},
+     "field 'answer' must be a string, a number or a struct (JSON test cases), got list"),
     ({"question": "long " * 400, "answer": "7"}, "over data.max_prompt_tokens=64"),
     ({"question": "Q8", "answer": 8}, None),  # numbers are fine answers
 ]
@@ -88,6 +89,22 @@ def test_bad_row_error_names_file_and_row(tmp_path, tokenizer, bad):
     msg = str(e.value)
     assert msg.startswith(f"{path}: row 1 (line 2): ") and BAD_ROWS[bad][1] in msg, msg
     assert "data.on_bad_row: skip" in msg
+
+
+def test_a_struct_ground_truth_is_its_json(tmp_path, tokenizer):
+    """verl's code sets may store the test cases as a struct (parquet) or an object (JSON): the
+    answer is then that object as JSON, which the code reward parses (issue 53)."""
+    import json
+
+    from mugrpo_megatron.rewards.code import parse_cases
+
+    cases = {"inputs": ["1 2\n"], "outputs": ["3\n"], "fn_name": None}
+    path = tmp_path / "code.parquet"
+    pq.write_table(pa.table({"q": ["Add two numbers."], "a": [cases]}), path)
+    prompts, _ = load_prompts(DataConfig(path=str(path), prompt_field="q", answer_field="a"),
+                              tokenizer)
+    assert json.loads(prompts[0].answer) == cases
+    assert parse_cases(prompts[0].answer).inputs == ["1 2\n"]
 
 
 def test_bad_rows_skipped_and_counted(tmp_path, tokenizer):

@@ -279,9 +279,15 @@ def check_row(row: dict, cfg: DataConfig, stem: str) -> RowFields:
     answer = dotted(row, cfg.answer_field)
     if answer is _MISSING or answer is None:
         raise BadRow("missing answer", f"missing field {cfg.answer_field!r}")
+    if isinstance(answer, dict):  # a struct (verl's code sets: test cases as an object): JSON
+        try:
+            answer = json.dumps(answer)
+        except (TypeError, ValueError) as e:
+            raise BadRow("wrong type", f"field {cfg.answer_field!r} is a struct that is not "
+                                       f"JSON data ({e})") from None
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise BadRow("wrong type", f"field {cfg.answer_field!r} must be a string or a number, got "
-                                   f"{type(answer).__name__}")
+        raise BadRow("wrong type", f"field {cfg.answer_field!r} must be a string, a number or a "
+                                   f"struct (JSON test cases), got {type(answer).__name__}")
     if isinstance(answer, float) and not math.isfinite(answer):  # parquet's and pandas' missing value
         raise BadRow("missing answer", f"field {cfg.answer_field!r} is {answer}, not an answer")
     answer = gold_answer(str(answer))

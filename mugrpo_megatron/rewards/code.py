@@ -3,11 +3,13 @@ test cases in the sandbox (``rewards.sandbox``), scored by the share of cases it
 (``reward.code_score: share``) or 1 only when it passes all (``all``).
 
 **The program** is the last *closed* fenced block of the completion (after the last
-``</think>``, when there is one) whose info string is ``python``, ``py``, ``python3`` or empty;
-failing that, the last closed fenced block of any language; failing that, no program (the
-response scores 0, as a wrong answer does: not a reward failure). A block still open when the
-response ends (cut at the length limit) is not a program. verl's ``prime_code`` instead takes
-the text after the last "```python" to the next fence or the end.
+``</think>``, when there is one) tagged ``python``, ``py`` or ``python3``; failing that, the last
+closed untagged block; failing that, the last closed block of any language; failing that, no
+program (the response scores 0, as a wrong answer does: not a reward failure). An untagged block
+after the tagged program (an example input, the expected output) is so not taken for it, as
+verl's ``prime_code`` would not take it (it takes the text after the last "```python" to the
+next fence or the end); unlike verl, a block still open when the response ends (cut at the
+length limit) is not a program, and an answer in one untagged block is still read.
 
 **The test cases** are the row's ground truth (``data.answer_field``: verl's
 ``reward_model.ground_truth``), a JSON object as PRIME (Eurus-2-RL), TACO, APPS and
@@ -25,13 +27,22 @@ A ground truth that is not such an object is a reward failure, counted and named
 
 **Outputs are compared** as those datasets' checkers do, loosest first-match: standard output
 equals the expected one line by line after trailing whitespace and trailing blank lines are
-dropped, or else token by token (whitespace-separated) with numeric tokens equal within
-``math.isclose(rel_tol=1e-5, abs_tol=1e-8)`` (APPS' ``np.allclose`` defaults). A returned value
-equals the expected one (tuples as lists, floats within the same tolerance), or the single
-element of an expected one-element list (APPS stores call outputs so).
+dropped, or else token by token (whitespace-separated): two integers exactly (1000000012 is not
+1000000007, as APPS' ``np.allclose`` would let it be: answers modulo 10^9 + 7 are common), other
+numbers within ``math.isclose(rel_tol=1e-5, abs_tol=1e-8)`` (its defaults). A returned value
+equals the expected one (tuples as lists, integers exactly, floats within the same tolerance),
+or the single element of an expected one-element list (APPS stores call outputs so). Whatever
+comes back from the program (any line, nesting or number size) is data: what cannot be read
+fails that case, never the reward.
 
 Each standard-input case runs in a fresh sandbox under ``reward.sandbox_*``'s limits with only
-its input inside. A program's function-call cases run in one sandboxed process, as APPS' and
+its input inside, while the program's cases fit in ``sandbox_program_s`` of wall clock. **A case
+not run is no failed case**: a row whose cases the budget cut short (a slow machine, a row of
+1500 cases) raises ``CasesNotRun``, which the scorer counts with the timeouts and names by row
+(scoring 0, as a timeout does, never stopping the run) instead of scoring the share of a prefix;
+``code_score: all`` is 0 at the first failed case, 1 when every case ran and passed.
+
+A program's function-call cases run in one sandboxed process, as APPS' and
 LiveCodeBench's checkers call them (one interpreter start a program, not one a case: the cost
 of a sandboxed run is mostly the start): the harness runs the program once, then each call
 under an alarm of ``sandbox_wall_s``, and writes each value as a JSON line on the stdout it kept
@@ -50,6 +61,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mugrpo_megatron.rewards.sandbox import SandboxSpec, run_python
+
+_INTEGER = re.compile(r"[+-]?\d+")
+_DIGITS = 4300  # Python's int <-> str limit: a longer integer token is compared as text
+
+
+class CasesNotRun(Exception):
+    """A program's cases were cut short by ``reward.sandbox_program_s``: not a failed case."""
+
 
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$",
                     re.MULTILINE | re.DOTALL)
@@ -95,9 +114,10 @@ def extract_program(completion: str) -> str | None:
     """The program of a completion (the module docstring's rules), or None."""
     text = completion.rsplit("</think>", 1)[-1]
     blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(text)]
-    for tag, body in reversed(blocks):
-        if tag in _PYTHON_TAGS:
-            return body
+    for wanted in (_PYTHON_TAGS - {""}, {""}):
+        for tag, body in reversed(blocks):
+            if tag in wanted:
+                return body
     return blocks[-1][1] if blocks else None
 
 
@@ -148,14 +168,16 @@ def stdout_matches(got: str, want: str) -> bool:
     if lines(got) == lines(want):
         return True
     a, b = got.split(), want.split()
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b):
-        if x != y:
-            nx, ny = _number(x), _number(y)
-            if nx is None or ny is None or not _close(nx, ny):
-                return False
-    return True
+    return len(a) == len(b) and all(_tokens_equal(x, y) for x, y in zip(a, b))
+
+
+def _tokens_equal(x: str, y: str) -> bool:
+    if x == y:
+        return True
+    if _INTEGER.fullmatch(x) and _INTEGER.fullmatch(y):  # integers exactly
+        return len(x) <= _DIGITS and len(y) <= _DIGITS and int(x) == int(y)
+    nx, ny = _number(x), _number(y)
+    return nx is not None and ny is not None and _close(nx, ny)
 
 
 def value_matches(got: Any, want: Any) -> bool:
@@ -177,8 +199,13 @@ def _equal(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b  # exactly
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b or _close(float(a), float(b))
+        try:
+            return a == b or _close(float(a), float(b))
+        except OverflowError:  # an integer past a float's range: only equal ones are
+            return False
     return a == b
 
 
@@ -213,16 +240,37 @@ def run_calls(spec: SandboxSpec, program: str, cases: Cases, seconds: float) -> 
     whole = replace(spec, wall_s=seconds, cpu_s=min(spec.cpu_s * n, seconds))
     got = run_python(whole, {"solution.py": program, "harness.py": _HARNESS}, "harness.py",
                      stdin=calls, args=(cases.fn_name, str(max(1, math.ceil(spec.wall_s)))))
-    passed = [False] * n
-    for line in got.stdout.splitlines():
+    notes = _call_notes(got.stdout, cases)
+    if got.status == "timeout" and None in notes:  # the run's clock ran out before every case
+        ran = n - notes.count(None)
+        raise CasesNotRun(f"{ran} of {n} function-call cases ran within "
+                          f"reward.sandbox_program_s = {seconds:g} s "
+                          f"({notes.count('passed')} passed)")
+    return [note == "passed" for note in notes]
+
+
+def _call_notes(stdout: str, cases: Cases) -> list[str | None]:
+    """Each function-call case's outcome from the harness's lines: 'passed', 'wrong value',
+    'raised <Type>', or None where no line came (it never ran). Anything the program sent (deep
+    nesting, integers past 4300 digits, garbage) is data: what cannot be read fails the case."""
+    n = len(cases.inputs)
+    notes: list[str | None] = [None] * n
+    for line in stdout.splitlines():
         try:
             r = json.loads(line)
-        except json.JSONDecodeError:
-            break  # cut by the output limit
+        except (ValueError, RecursionError):
+            break  # cut by the output limit, or not the harness's line: the rest fail
         i = r.get("case") if isinstance(r, dict) else None
-        if isinstance(i, int) and 0 <= i < n and "value" in r:
-            passed[i] = value_matches(r["value"], cases.outputs[i])
-    return passed
+        if not (isinstance(i, int) and 0 <= i < n) or notes[i] is not None:
+            continue
+        if "value" not in r:
+            notes[i] = f"raised {str(r.get('error'))[:40]}"
+            continue
+        try:
+            notes[i] = "passed" if value_matches(r["value"], cases.outputs[i]) else "wrong value"
+        except RecursionError:
+            notes[i] = "wrong value"
+    return notes
 
 
 def code_reward(completion: str, answer: str, *, sandbox: SandboxSpec,
@@ -241,12 +289,63 @@ def code_reward(completion: str, answer: str, *, sandbox: SandboxSpec,
         if code_score == "all":
             return float(all(passed))
         return sum(passed) / len(passed)
-    passed, deadline = 0, time.monotonic() + sandbox.program_s
-    for i in range(len(cases.inputs)):
-        if time.monotonic() + sandbox.wall_s > deadline:  # the program's time is up: the rest fail
-            break
+    passed, deadline, n = 0, time.monotonic() + sandbox.program_s, len(cases.inputs)
+    for i in range(n):
+        if time.monotonic() + sandbox.wall_s > deadline:  # the program's time is up
+            raise CasesNotRun(f"{i} of {n} standard-input cases ran within "
+                              f"reward.sandbox_program_s = {sandbox.program_s:g} s "
+                              f"({passed} passed); raise it for rows this long")
         if run_case(sandbox, program, cases, i):
             passed += 1
         elif code_score == "all":
             return 0.0
-    return passed / len(cases.inputs)
+    return passed / n
+
+
+def explain(completion: str, answer: str, sandbox: SandboxSpec) -> str:
+    """Why a completion scores what it scores, in words (``score --explain``): no program, a
+    syntax error, the first case it fails and how (wrong output, an error, a timeout, memory),
+    cases cut short, or every case passed. Runs the program again, case by case."""
+    try:
+        cases = parse_cases(answer)
+    except ValueError as e:
+        return f"bad ground truth: {e}"
+    program = extract_program(completion)
+    if program is None:
+        return "no program: the completion has no closed fenced code block"
+    try:
+        compile(program, "solution.py", "exec")
+    except (SyntaxError, ValueError) as e:
+        return f"syntax error: line {getattr(e, 'lineno', '?')}: {getattr(e, 'msg', e)}"
+    n = len(cases.inputs)
+    if cases.fn_name is not None:
+        try:
+            calls = json.dumps([_call_args(x) for x in cases.inputs])
+        except (json.JSONDecodeError, TypeError) as e:
+            return f"bad ground truth: its inputs are not JSON arguments ({e})"
+        whole = replace(sandbox, wall_s=sandbox.program_s,
+                        cpu_s=min(sandbox.cpu_s * n, sandbox.program_s))
+        got = run_python(whole, {"solution.py": program, "harness.py": _HARNESS}, "harness.py",
+                         stdin=calls, args=(cases.fn_name, str(max(1, math.ceil(sandbox.wall_s)))))
+        notes = _call_notes(got.stdout, cases)
+        for i, note in enumerate(notes):
+            if note is None:
+                return (f"case {i} of {n} never ran (the run ended: {got.status}"
+                        f"{', ' + got.detail if got.detail else ''})")
+            if note != "passed":
+                return f"{note} on case {i} of {n}"
+        return f"passed all {n} cases"
+    for i in range(n):
+        got = run_python(sandbox, {"solution.py": program}, "solution.py",
+                         stdin=_lines(cases.inputs[i]))
+        if got.status != "ok":
+            how = {"timeout": "timed out (sandbox_cpu_s or sandbox_wall_s)",
+                   "memory": "ran out of memory (sandbox_memory_mb)",
+                   "output": "wrote past sandbox_output_kb",
+                   "sandbox": "the sandbox failed"}.get(got.status, f"exited with {got.detail}")
+            return f"case {i} of {n}: {how}"
+        want = _lines(cases.outputs[i])
+        if not stdout_matches(got.stdout, want):
+            return (f"wrong output on case {i} of {n}: expected {want[:80]!r}, got "
+                    f"{got.stdout[:80]!r}")
+    return f"passed all {n} cases"

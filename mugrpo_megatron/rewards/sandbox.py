@@ -7,17 +7,19 @@ its own (``reward.sandbox``):
 
 - ``bwrap`` (the default): bubblewrap (Debian/Ubuntu ``bubblewrap``, Fedora/RHEL ``bubblewrap``,
   conda-forge ``bubblewrap``; what Flatpak runs its apps in), chosen over nsjail because every
-  distribution packages it, it needs no daemon, no root and no configuration file, and it is
-  one ~70 KB binary. The program sees a new mount namespace holding, read-only, only ``/usr``
-  and the interpreter's own directory (its parents made 0755 and empty), a fresh ``/proc`` and
+  distribution packages it, it needs no daemon, no root and no configuration file, and it is one
+  ~70 KB binary. The program sees a new mount namespace holding, read-only, only ``/usr`` and
+  the interpreter's own directory (its parents made 0755 and empty), a fresh ``/proc`` and
   ``/dev``, and a private ``/tmp`` (tmpfs of ``reward.sandbox_file_mb``) as its working
-  directory: no home, no ``/etc``, no run directory, no checkpoint. New network (loopback only,
-  down), PID, IPC, UTS and cgroup namespaces; an empty environment; no capabilities and no
-  new privileges (bwrap sets ``PR_SET_NO_NEW_PRIVS``). Run as root (a container's usual user),
-  the program drops to a user id of its own (``100000 +`` the scoring worker's pid, through
-  ``setpriv``), so that ``RLIMIT_NPROC`` counts its processes alone (Linux exempts uid 0 from
-  that limit); run as another user, bwrap makes an unprivileged user namespace and the limit
-  is that user's processes now plus ``reward.sandbox_processes``.
+  directory: no home, no ``/etc``, no run directory, no checkpoint. New network (its own
+  loopback only, up), PID, IPC, UTS and cgroup namespaces; an empty environment; no capabilities
+  and no new privileges (bwrap sets ``PR_SET_NO_NEW_PRIVS``); a fresh session keyring and a
+  system-call filter (``rewards.syscalls``: the keyring calls, System V IPC, memfd, io_uring,
+  userfaultfd, perf events, namespaces and mounts, AF_VSOCK refused). Run as root (a container's
+  usual user), the program drops to a user id of its own (``100000 +`` the scoring worker's pid,
+  through ``setpriv``), so that ``RLIMIT_NPROC`` counts its processes alone (Linux exempts uid 0
+  from that limit); run as another user, bwrap makes an unprivileged user namespace and the
+  limit is that user's processes now plus ``reward.sandbox_processes``.
 - ``unsafe``: the same limits on a plain child process group, no isolation at all (the program
   sees what the scorer sees); ``train`` says so at every start.
 - a URL (``http://host:port``): a SandboxFusion service the user runs (verl
@@ -25,12 +27,17 @@ its own (``reward.sandbox``):
 
 Limits of every run (``resource.setrlimit`` before bwrap starts, inherited): CPU seconds
 (``reward.sandbox_cpu_s``), address space (``sandbox_memory_mb``), processes, file size
-(``sandbox_file_mb``), open files 256, no core files; the wall clock (``sandbox_wall_s``) and
-the output (``sandbox_output_kb`` of stdout; stderr is dropped) are watched from here. Past any
+(``sandbox_file_mb``), open files 256, no core files; where the scorer may make one, a control
+group of the run (``rewards.cgroups``) holds its whole tree to ``sandbox_memory_mb`` of memory
+(System V, memfd and tmpfs kernel memory included) and ``sandbox_processes`` tasks, and its
+summed CPU time to ``sandbox_cpu_s`` (read by the watcher); the wall clock
+(``sandbox_wall_s``) and the output (``sandbox_output_kb`` of stdout; stderr is dropped) are
+watched from here. Past any
 of them the whole tree is ended: bwrap is killed, and its ``--die-with-parent`` takes the
 sandbox's init with it, and with that init the kernel ends every process of its PID namespace
 (a detached, re-parented or ``setsid`` child included). The host directory holding the program
-is removed after each run.
+and the run's group are removed after each run; those a killed worker left are removed at the
+next start (``remove_orphans``).
 """
 
 from __future__ import annotations
@@ -41,66 +48,20 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from mugrpo_megatron.rewards import sandbox_fusion
+from mugrpo_megatron.rewards import cgroups, sandbox_fusion, syscalls
 from mugrpo_megatron.rewards.sandbox_fusion import is_url
-
-OS_SANDBOX = "bwrap"
-UNSAFE = "unsafe"
-SANDBOX_UID_BASE = 100_000
-"""Run as root, a program runs as ``SANDBOX_UID_BASE +`` its scoring worker's pid: one id a
-concurrent run, so that ``RLIMIT_NPROC`` bounds each run's own processes."""
-
-
-class SandboxUnavailable(ValueError):
-    """The sandbox cannot run a program here; the message names the cause and the choices."""
-
-
-@dataclass(frozen=True)
-class SandboxSpec:
-    """How a program runs (``reward.sandbox*``): what travels to the scoring workers."""
-
-    mode: str = OS_SANDBOX
-    python: str = ""
-    """The interpreter inside ('' : the scorer's own base interpreter, not its virtualenv)."""
-    cpu_s: float = 5.0
-    wall_s: float = 10.0
-    program_s: float = 30.0
-    """All of one program's runs (the code reward's test cases)."""
-    memory_mb: int = 1024
-    processes: int = 32
-    file_mb: int = 16
-    output_kb: int = 1024
-    bwrap: str = "bwrap"
-
-    @classmethod
-    def of(cls, cfg) -> SandboxSpec:
-        """The sandbox a ``RewardConfig`` describes (``reward.sandbox*``)."""
-        return cls(mode=cfg.sandbox, python=cfg.sandbox_python or "", cpu_s=cfg.sandbox_cpu_s,
-                   wall_s=cfg.sandbox_wall_s, program_s=cfg.sandbox_program_s,
-                   memory_mb=cfg.sandbox_memory_mb, processes=cfg.sandbox_processes,
-                   file_mb=cfg.sandbox_file_mb, output_kb=cfg.sandbox_output_kb)
-
-    @property
-    def interpreter(self) -> str:
-        return self.python or os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """One run of a program."""
-
-    status: str
-    """'ok' (exited 0), 'error' (exited otherwise), 'timeout' (past the CPU or wall limit),
-    'output' (past the output limit), 'sandbox' (the sandbox itself failed)."""
-    stdout: str
-    returncode: int | None
-    detail: str = ""
+from mugrpo_megatron.rewards.sandbox_spec import (  # noqa: F401 - the sandbox's names, here too
+    OS_SANDBOX,
+    SANDBOX_UID_BASE,
+    UNSAFE,
+    RunResult,
+    SandboxSpec,
+    SandboxUnavailable,
+)
 
 
 def run_python(spec: SandboxSpec, files: dict[str, str], main: str, stdin: str = "",
@@ -113,36 +74,53 @@ def run_python(spec: SandboxSpec, files: dict[str, str], main: str, stdin: str =
     if spec.mode not in (OS_SANDBOX, UNSAFE):
         raise SandboxUnavailable(f"reward.sandbox: {spec.mode!r} runs nothing here: use "
                                  f"{OS_SANDBOX!r}, {UNSAFE!r} or a SandboxFusion URL")
-    host = Path(tempfile.mkdtemp(prefix="mugrpo-sandbox-"))
+    host = Path(tempfile.mkdtemp(prefix=f"{HOST_PREFIX}{os.getpid()}-"))
+    group, seccomp = None, None
     try:
         code = host / "code"
         code.mkdir()
         for name, text in files.items():
             (code / name).write_text(text)
         (host / "stdin").write_text(stdin)
+        # the run's tree: its memory (what RLIMIT_AS misses too), tasks and summed CPU time
+        group = cgroups.RunGroup.create(spec.memory_mb << 20, spec.processes + _PLUMBING)
         if spec.mode == OS_SANDBOX:
-            cmd = _bwrap_command(spec, code, main, args)
+            seccomp = syscalls.filter_fd()
+            cmd = _bwrap_command(spec, code, main, args, seccomp)
             uid = SANDBOX_UID_BASE + os.getpid() if os.geteuid() == 0 else None
             nproc = spec.processes if uid is not None else _user_tasks() + spec.processes
         else:
             cmd = [spec.interpreter, "-I", str(code / main), *args]
             nproc = _user_tasks() + spec.processes
         with open(host / "stdin", "rb") as stdin_file:
-            return _watch(spec, cmd, stdin_file, nproc, cwd=host if spec.mode == UNSAFE else None)
+            return _watch(spec, cmd, stdin_file, nproc, cwd=host if spec.mode == UNSAFE else None,
+                          group=group, keep=(seccomp,) if seccomp is not None else ())
     finally:
+        if seccomp is not None:
+            os.close(seccomp)
+        if group is not None:
+            group.remove()
         shutil.rmtree(host, ignore_errors=True)
 
 
-def probe(spec: SandboxSpec) -> None:
+def probe(spec: SandboxSpec) -> list[str]:
     """Run ``print(...)`` in the sandbox once: ``SandboxUnavailable`` naming the cause and the
-    choices when it cannot (no bwrap, user namespaces off, an interpreter it cannot see)."""
+    choices when it cannot (no bwrap, no libseccomp, user namespaces off, an interpreter it
+    cannot see). Removes what killed workers left (``remove_orphans``). Returns what the sandbox
+    cannot bound here, to be said at start (no control group: memory and CPU per process)."""
+    remove_orphans()
+    notes = [] if is_url(spec.mode) else _shortfalls(spec)
     if spec.mode == UNSAFE:
-        return
+        return notes
     choices = (f"reward.sandbox: {OS_SANDBOX} (the OS sandbox; install bubblewrap: apt install "
                f"bubblewrap, dnf install bubblewrap or conda install -c conda-forge bubblewrap), "
                f"the URL of a SandboxFusion service you run (http://host:8080), "
                f"{UNSAFE!r} (no isolation at all: only for programs you trust)")
     if not is_url(spec.mode):
+        try:
+            syscalls.filter_program()
+        except syscalls.FilterUnavailable as e:
+            raise SandboxUnavailable(f"reward.sandbox: {e}. Choose: {choices}") from None
         if shutil.which(spec.bwrap) is None:
             raise SandboxUnavailable(f"reward.sandbox: the OS sandbox needs bubblewrap, and "
                                      f"{spec.bwrap!r} is not on PATH. Choose: {choices}")
@@ -152,7 +130,7 @@ def probe(spec: SandboxSpec) -> None:
                                      f"on PATH. Choose: {choices}")
     got = run_python(spec, {"probe.py": "print(6 * 7)\n"}, "probe.py")
     if got.status == "ok" and got.stdout.strip() == "42":
-        return
+        return notes
     seen = f"{got.status}: {(got.detail or got.stdout).strip()[:300] or 'no output'}"
     if is_url(spec.mode):
         raise SandboxUnavailable(
@@ -166,12 +144,13 @@ def probe(spec: SandboxSpec) -> None:
         f"reward.sandbox_python: an interpreter outside /root")
 
 
-def _bwrap_command(spec: SandboxSpec, code: Path, main: str, args: tuple[str, ...]) -> list[str]:
+def _bwrap_command(spec: SandboxSpec, code: Path, main: str, args: tuple[str, ...],
+                   seccomp: int) -> list[str]:
     python = Path(spec.interpreter)
     home = python.parent.parent  # the installation: bin/python3.x under it
     cmd = [shutil.which(spec.bwrap) or spec.bwrap, "--unshare-ipc", "--unshare-pid",
            "--unshare-net", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
-           "--new-session",
+           "--new-session", "--seccomp", str(seccomp),
            "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "lib", "lib64", "sbin"):  # merged /usr: symlinks; else read-only binds
         top = Path("/") / name
@@ -198,8 +177,11 @@ def _bwrap_command(spec: SandboxSpec, code: Path, main: str, args: tuple[str, ..
     return [*cmd, str(python), "-I", f"/sandbox/{main}", *args]
 
 
-def _limits(spec: SandboxSpec, nproc: int):
+def _limits(spec: SandboxSpec, nproc: int, group: cgroups.RunGroup | None):
     def apply() -> None:  # in the child, before exec
+        if group is not None:
+            group.join()
+        syscalls.fresh_session_keyring()
         cpu = max(1, int(spec.cpu_s + 0.999))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         memory = spec.memory_mb << 20
@@ -212,16 +194,18 @@ def _limits(spec: SandboxSpec, nproc: int):
     return apply
 
 
-def _watch(spec: SandboxSpec, cmd: list[str], stdin, nproc: int, cwd: Path | None) -> RunResult:
-    """Run ``cmd`` under the limits; read its stdout until it ends or passes the wall clock or
-    the output limit; end its whole tree either way."""
+def _watch(spec: SandboxSpec, cmd: list[str], stdin, nproc: int, cwd: Path | None,
+           group: cgroups.RunGroup | None, keep: tuple[int, ...]) -> RunResult:
+    """Run ``cmd`` under the limits; read its stdout until it ends or passes the wall clock, the
+    output limit or (with a group) the CPU time of its whole tree; end its whole tree either
+    way. ``keep``: descriptors the child inherits (bwrap's filter)."""
     deadline = time.monotonic() + spec.wall_s
     cap = spec.output_kb << 10
     try:
         proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, preexec_fn=_limits(spec, nproc),
-                                start_new_session=True, cwd=cwd, env=_env(spec))
-    except OSError as e:
+                                stderr=subprocess.DEVNULL, preexec_fn=_limits(spec, nproc, group),
+                                start_new_session=True, cwd=cwd, env=_env(spec), pass_fds=keep)
+    except (OSError, subprocess.SubprocessError) as e:
         return RunResult("sandbox", "", None, f"{type(e).__name__}: {e}")
     out, status = bytearray(), None
     try:
@@ -230,7 +214,10 @@ def _watch(spec: SandboxSpec, cmd: list[str], stdin, nproc: int, cwd: Path | Non
             if left <= 0:
                 status = "timeout"
                 break
-            ready, _, _ = select.select([proc.stdout], [], [], min(left, 0.5))
+            if group is not None and group.cpu_seconds() > spec.cpu_s:
+                status = "timeout"  # the tree's CPU time: RLIMIT_CPU bounds each process only
+                break
+            ready, _, _ = select.select([proc.stdout], [], [], min(left, _POLL_S))
             if not ready:
                 continue
             chunk = os.read(proc.stdout.fileno(), 65536)
@@ -243,6 +230,8 @@ def _watch(spec: SandboxSpec, cmd: list[str], stdin, nproc: int, cwd: Path | Non
     finally:
         _end(proc)
     code = proc.returncode
+    if status is None and group is not None and group.out_of_memory():
+        status = "memory"
     if status is None:
         if code in (-signal.SIGXCPU, -signal.SIGKILL) or code == 128 + signal.SIGXCPU:
             status = "timeout"  # RLIMIT_CPU: SIGXCPU, then SIGKILL at the hard limit
@@ -251,7 +240,8 @@ def _watch(spec: SandboxSpec, cmd: list[str], stdin, nproc: int, cwd: Path | Non
     detail = "" if status == "ok" else f"exit {code}"
     if status == "error" and spec.mode == OS_SANDBOX and code in (1, 126, 127) and not out:
         detail = f"exit {code} with no output (a program that fails, or the sandbox itself)"
-    return RunResult(status, out[:cap].decode("utf-8", "replace"), code, detail)
+    return RunResult(status, out[:cap].decode("utf-8", "replace"), code, detail,
+                     cpu_s=group.cpu_seconds() if group is not None else None)
 
 
 def _end(proc: subprocess.Popen) -> None:
@@ -270,6 +260,43 @@ def _env(spec: SandboxSpec) -> dict[str, str]:
     secret of the scorer's (keys, tokens) reaches the program."""
     return {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
             "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+HOST_PREFIX = "mugrpo-sandbox-"
+"""A run's host directory: ``<tmp>/mugrpo-sandbox-<worker pid>-<random>``."""
+_PLUMBING = 3
+"""Tasks of the sandbox itself in a run's group: bwrap, its init, setpriv's exec."""
+_POLL_S = 0.1
+"""How often the watcher reads the tree's CPU time (a run may overrun sandbox_cpu_s by this
+times its processes)."""
+
+
+def remove_orphans() -> list[Path]:
+    """What scoring workers killed mid-run left (each worker cleans up after its own runs):
+    their host directories (the program and its input) and their control groups, where the
+    worker's pid is no longer alive. Returns the directories and groups removed."""
+    gone = []
+    for d in Path(tempfile.gettempdir()).glob(f"{HOST_PREFIX}*"):
+        pid = d.name[len(HOST_PREFIX):].split("-")[0]
+        if d.is_dir() and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone + cgroups.remove_orphans()
+
+
+def _shortfalls(spec: SandboxSpec) -> list[str]:
+    """What the sandbox cannot bound on this machine, in words."""
+    group = cgroups.RunGroup.create(spec.memory_mb << 20, spec.processes + _PLUMBING)
+    if group is not None:
+        group.remove()
+        return []
+    return [f"reward.sandbox: the scorer may not create control groups here (neither a "
+            f"delegated cgroup v2 subtree nor writable v1 memory/pids/cpuacct hierarchies; run "
+            f"as root, or under a systemd unit with Delegate=yes), so a program's memory and CPU "
+            f"are bounded per process only: up to reward.sandbox_processes x sandbox_memory_mb "
+            f"= {spec.processes * spec.memory_mb} MB of address space and "
+            f"{spec.processes} x sandbox_cpu_s of CPU a run, and the kernel memory of its tmpfs "
+            f"files within sandbox_file_mb's bytes but not its count of files"]
 
 
 def _user_tasks() -> int:

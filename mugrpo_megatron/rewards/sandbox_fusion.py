@@ -36,6 +36,8 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 
+from mugrpo_megatron.rewards.sandbox_spec import RunResult
+
 RETRIES = 3
 """Further tries of a request the service failed (not of a program that failed)."""
 HTTP_SLACK_S = 5.0
@@ -74,7 +76,6 @@ def request_body(spec, files: dict[str, str], main: str, stdin: str,
 
 def run(spec, files: dict[str, str], main: str, stdin: str, args: tuple[str, ...]):
     """Run a program through the service at ``spec.mode``: a ``sandbox.RunResult``."""
-    from mugrpo_megatron.rewards.sandbox import RunResult
 
     body = json.dumps(request_body(spec, files, main, stdin, args)).encode()
     deadline = time.monotonic() + spec.program_s
@@ -95,7 +96,6 @@ def run(spec, files: dict[str, str], main: str, stdin: str, args: tuple[str, ...
 
 def result_of(spec, reply: dict):
     """A ``sandbox.RunResult`` from a ``/run_code`` answer whose status is not SandboxError."""
-    from mugrpo_megatron.rewards.sandbox import RunResult
 
     run_result = reply.get("run_result") or {}
     status = run_result.get("status")

@@ -36,6 +36,7 @@ from pebble import ProcessExpired, ProcessPool
 
 from mugrpo_megatron.config import RewardConfig
 from mugrpo_megatron.procs import die_with_parent
+from mugrpo_megatron.rewards.code import CasesNotRun
 from mugrpo_megatron.rewards.registry import RewardFn, RewardSpec, resolve_reward
 from mugrpo_megatron.rewards.sandbox import SandboxSpec
 
@@ -89,7 +90,9 @@ class RewardOutcome:
     rewards: list[float]
     """One reward per response, in order; 0.0 where scoring timed out or failed."""
     num_timeouts: int = 0
-    """Responses whose scoring passed reward.timeout_s and was killed."""
+    """Responses whose scoring passed reward.timeout_s and was killed, or whose program's test
+    cases were cut short by reward.sandbox_program_s (``code.CasesNotRun``: a case not run is
+    no failed case)."""
     num_errors: int = 0
     """Responses whose reward function raised, or returned something other than a finite number
     within reward.max_abs_reward (a string, a bool, NaN, 1e308...)."""
@@ -186,15 +189,16 @@ class RewardScorer:
         return value
 
     def _failed(self, out: RewardOutcome, i: int, row: RowInfo | None, spec: int,
-                error: str | None) -> None:
-        """Count response ``i``'s failure (``error``; None: it timed out) by its source and keep
-        the first few; under ``reward.on_error: raise`` a function's error raises instead."""
+                error: str | None, cut: str | None = None) -> None:
+        """Count response ``i``'s failure (``error``; None: it timed out, or its cases were
+        ``cut`` short) by its source and keep the first few; under ``reward.on_error: raise`` a
+        function's error raises instead."""
         where = row.where() if row is not None else f"response {i}"
         out.failed.append(i)
         if error is None:
             out.num_timeouts += 1
-            message = (f"{where}: scoring took over {self.cfg.scoring_timeout_s:g} s "
-                       f"(reward.timeout_s)")
+            message = f"{where}: {cut}" if cut else (
+                f"{where}: scoring took over {self.cfg.scoring_timeout_s:g} s (reward.timeout_s)")
         else:
             out.num_errors += 1
             message = f"{where}: {error[:200]}"
@@ -251,8 +255,9 @@ class PendingScores:
                         out.rewards[i] = scorer._checked(value)
                     except ValueError as e:  # not a finite number within range: scores 0
                         error = f"ValueError: {e}"
-                if ok == "timeout" or error is not None:
-                    scorer._failed(out, i, row, item[0], error)
+                if ok in ("timeout", "cut") or error is not None:
+                    scorer._failed(out, i, row, item[0], error,
+                                   cut=f"cases cut short: {value}" if ok == "cut" else None)
                 if on_done is not None:
                     on_done(1)
         return out
@@ -278,6 +283,8 @@ def _score_batch(specs: list[RewardSpec], items: list[tuple], settings: dict
     for spec, completion, answer, extra in items:
         try:
             out.append(("ok", _call(specs[spec], completion, answer, extra, settings)))
+        except CasesNotRun as e:  # the machine's time, not the function's fault: a timeout
+            out.append(("cut", str(e)))
         except Exception as e:  # noqa: BLE001 - reported per response
             out.append(("error", f"{type(e).__name__}: {str(e)[:200]}"))
     return out
