@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -220,7 +221,8 @@ def test_explain_says_why():
 
 def test_what_dead_workers_left_is_removed_at_start(tmp_path, monkeypatch):
     """A worker killed mid-run leaves its host directory (the program and its input); the next
-    start removes those whose worker's pid is dead, and no other."""
+    start (or a worker's first run) removes those whose worker's pid is dead, once over ten
+    minutes old, and no other."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -230,8 +232,13 @@ def test_what_dead_workers_left_is_removed_at_start(tmp_path, monkeypatch):
     (left / "code" / "solution.py").write_text("secret program")
     mine = tmp_path / f"mugrpo-sandbox-{os.getpid()}-def"
     mine.mkdir()
+    recent = tmp_path / f"mugrpo-sandbox-{dead.pid}-ghi"  # perhaps another PID namespace's
+    recent.mkdir()
+    hour_ago = time.time() - 3600
+    for d in (left, mine):
+        os.utime(d, (hour_ago, hour_ago))
     assert left in remove_orphans()
-    assert not left.exists() and mine.exists()
+    assert not left.exists() and mine.exists() and recent.exists()
 
 
 def test_the_keyring_call_the_child_makes_is_keyctls():

@@ -74,6 +74,10 @@ def run_python(spec: SandboxSpec, files: dict[str, str], main: str, stdin: str =
     if spec.mode not in (OS_SANDBOX, UNSAFE):
         raise SandboxUnavailable(f"reward.sandbox: {spec.mode!r} runs nothing here: use "
                                  f"{OS_SANDBOX!r}, {UNSAFE!r} or a SandboxFusion URL")
+    global _cleaned
+    if not _cleaned:  # a worker replacing a killed one removes what that one left
+        _cleaned = True
+        remove_orphans()
     host = Path(tempfile.mkdtemp(prefix=f"{HOST_PREFIX}{os.getpid()}-"))
     group, seccomp = None, None
     try:
@@ -178,10 +182,12 @@ def _bwrap_command(spec: SandboxSpec, code: Path, main: str, args: tuple[str, ..
 
 
 def _limits(spec: SandboxSpec, nproc: int, group: cgroups.RunGroup | None):
+    keyring = syscalls.fresh_session_keyring()  # looked up here, called in the child
+
     def apply() -> None:  # in the child, before exec
         if group is not None:
             group.join()
-        syscalls.fresh_session_keyring()
+        keyring()
         cpu = max(1, int(spec.cpu_s + 0.999))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         memory = spec.memory_mb << 20
@@ -262,6 +268,11 @@ def _env(spec: SandboxSpec) -> dict[str, str]:
             "PYTHONDONTWRITEBYTECODE": "1"}
 
 
+_ORPHAN_AGE_S = 600.0
+"""A dead worker's host directory is removed once it is this old (a run lasts at most
+reward.sandbox_program_s)."""
+_cleaned = False
+"""Whether this process removed what dead workers left (its first run does)."""
 HOST_PREFIX = "mugrpo-sandbox-"
 """A run's host directory: ``<tmp>/mugrpo-sandbox-<worker pid>-<random>``."""
 _PLUMBING = 3
@@ -274,11 +285,17 @@ times its processes)."""
 def remove_orphans() -> list[Path]:
     """What scoring workers killed mid-run left (each worker cleans up after its own runs):
     their host directories (the program and its input) and their control groups, where the
-    worker's pid is no longer alive. Returns the directories and groups removed."""
+    worker's pid is no longer alive (and, for a directory, it is over ``_ORPHAN_AGE_S`` old: a
+    temporary directory shared with another PID namespace holds runs whose pids this one cannot
+    see). Returns the directories and groups removed."""
     gone = []
     for d in Path(tempfile.gettempdir()).glob(f"{HOST_PREFIX}*"):
         pid = d.name[len(HOST_PREFIX):].split("-")[0]
-        if d.is_dir() and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        try:
+            old = time.time() - d.stat().st_mtime > _ORPHAN_AGE_S
+        except OSError:
+            continue
+        if old and d.is_dir() and pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
     return gone + cgroups.remove_orphans()

@@ -92,16 +92,21 @@ def filter_program() -> bytes:
     return _cache
 
 
-def fresh_session_keyring() -> None:
-    """In the child, before exec: join a new anonymous session keyring (``keyctl(
-    KEYCTL_JOIN_SESSION_KEYRING, NULL)``), so nothing of the scorer's session keyring is its.
-    A kernel without keyrings (ENOSYS) has nothing to hide."""
+def fresh_session_keyring():
+    """A function for the child to call before exec (its library and system-call number looked
+    up here, in the parent: nothing is loaded between fork and exec), which joins a new
+    anonymous session keyring (``keyctl(KEYCTL_JOIN_SESSION_KEYRING, NULL)``), so nothing of
+    the scorer's session keyring is the program's. A kernel without keyrings (ENOSYS) has
+    nothing to hide."""
     sc = _library()
-    number = sc.resolve_syscall(sc.system_arch(), "keyctl")
+    number = ctypes.c_long(sc.resolve_syscall(sc.system_arch(), "keyctl"))
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING),
-                    ctypes.c_void_p(None)) < 0 and ctypes.get_errno() != errno.ENOSYS:
-        raise OSError(ctypes.get_errno(), "keyctl(KEYCTL_JOIN_SESSION_KEYRING)")
+    join, none = ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None)
+
+    def call() -> None:
+        if libc.syscall(number, join, none) < 0 and ctypes.get_errno() != errno.ENOSYS:
+            raise OSError(ctypes.get_errno(), "keyctl(KEYCTL_JOIN_SESSION_KEYRING)")
+    return call
 
 
 def filter_fd() -> int:
