@@ -182,7 +182,8 @@ def _bwrap_command(spec: SandboxSpec, code: Path, main: str, args: tuple[str, ..
 
 
 def _limits(spec: SandboxSpec, nproc: int, group: cgroups.RunGroup | None):
-    keyring = syscalls.fresh_session_keyring()  # looked up here, called in the child
+    # looked up here, called in the child; unsafe isolates nothing (and needs no libseccomp)
+    keyring = syscalls.fresh_session_keyring() if spec.mode == OS_SANDBOX else (lambda: None)
 
     def apply() -> None:  # in the child, before exec
         if group is not None:
