@@ -81,7 +81,9 @@ print("add", call({nr["add_key"]}, ctypes.addressof(ctypes.create_string_buffer(
 import ctypes, json, sys
 sys.path[:0] = {sys.path!r}
 libc = ctypes.CDLL(None, use_errno=True)
-assert libc.syscall(ctypes.c_long({nr["keyctl"]}), ctypes.c_long(1), ctypes.c_void_p(None)) >= 0
+if libc.syscall(ctypes.c_long({nr["keyctl"]}), ctypes.c_long(1), ctypes.c_void_p(None)) < 0:
+    print(json.dumps(["no keyrings", ctypes.get_errno()]))  # a kernel or policy without them
+    sys.exit(0)
 key = libc.syscall(ctypes.c_long({nr["add_key"]}), ctypes.c_char_p(b"user"),
                    ctypes.c_char_p(b"mugrpo-planted"), ctypes.c_char_p(b"secret"),
                    ctypes.c_long(6), ctypes.c_long(-3))
@@ -94,6 +96,8 @@ print(json.dumps([got.status, got.stdout]))
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     status, stdout = json.loads(out.stdout.strip().splitlines()[-1])
+    if status == "no keyrings":
+        pytest.skip(f"this kernel gives no session keyring (errno {stdout})")
     # without the fix: "list 4", b'secret' (read here, before the filter and the fresh keyring)
     assert status == "ok" and stdout.split() == ["list", "EPERM", "add", "EPERM"], stdout
 
@@ -148,7 +152,8 @@ def test_cpu_time_is_the_whole_trees():
     spin = "import os\nfor _ in range(7):\n    if os.fork() == 0:\n        break\nwhile True:\n    pass"
     got = run_python(SPEC, {"m.py": spin}, "m.py")
     assert got.status == "timeout" and got.cpu_s is not None, got
-    assert got.cpu_s < 1.0 + 8 * 0.1 + 1.0, got.cpu_s  # the limit, a poll's overrun a process
+    # the limit, a poll's overrun a process, a late watcher's on a loaded machine; 8 s before
+    assert got.cpu_s < 4.0, got.cpu_s
 
 
 CALLS = json.dumps({"fn_name": "f", "inputs": [[1], [2]], "outputs": [1, 2]})
