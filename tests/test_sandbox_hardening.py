@@ -33,7 +33,7 @@ SPEC = SandboxSpec(cpu_s=1.0, wall_s=8.0, program_s=20.0, memory_mb=256, process
 def _has_group() -> bool:
     from mugrpo_megatron.rewards.cgroups import RunGroup
 
-    group = RunGroup.create(64 << 20, 8)
+    group = RunGroup.create(64 << 20)
     if group is None:
         return False
     group.remove()

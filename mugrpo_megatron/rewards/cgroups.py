@@ -1,19 +1,23 @@
-"""One control group per sandboxed run, where the scorer may make one: the run's whole tree held
-to ``reward.sandbox_memory_mb`` of memory (what the per-process address-space limit misses too:
-System V segments, memfd files, the page cache and kernel memory of its tmpfs files), to
-``sandbox_processes`` tasks, and its CPU time summed over every process of it (the watcher ends
-the run past ``sandbox_cpu_s``; ``RLIMIT_CPU`` is per process).
+"""A control group for a scoring worker's sandboxed runs, where the scorer may make one: each run's
+whole tree held to ``reward.sandbox_memory_mb`` of memory (what the per-process address-space
+limit misses too: System V segments, memfd files, the page cache and kernel memory of its tmpfs
+files), and its CPU time summed over every process of it (the watcher ends the run past
+``sandbox_cpu_s``; ``RLIMIT_CPU`` is per process). Processes stay bounded by ``RLIMIT_NPROC``
+(a user of its own a run, as root): a pids limit on a group its runs share would count the tasks
+of earlier runs' PID namespaces that the kernel has not released yet (seen here: one more a run
+on cgroup v1, in ``pids.current`` with ``cgroup.procs`` empty).
 
 cgroup v2 (``/sys/fs/cgroup`` a cgroup2 file system) where the scorer's own group hands its
-children the memory and pids controllers (a delegated subtree: the group's
-``cgroup.subtree_control``); else cgroup v1's memory, pids and cpuacct hierarchies (a hybrid
-layout, as on this project's machines), each group made under the scorer's own in that
-hierarchy. Run as an unprivileged user without a delegated subtree there is none: the sandbox
-then says so at start (``rewards.sandbox.probe``) and the limits stay per process.
+children the memory controller (a delegated subtree: the group's ``cgroup.subtree_control``);
+else cgroup v1's memory and cpuacct hierarchies (a hybrid layout, as on this project's
+machines), each group made under the scorer's own in that hierarchy. Run as an unprivileged user
+without a delegated subtree there is none: the sandbox then says so at start
+(``rewards.sandbox.probe``) and the limits stay per process.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import signal
@@ -24,6 +28,7 @@ from pathlib import Path
 ROOT = Path("/sys/fs/cgroup")
 PREFIX = "mugrpo-sandbox-"
 _counter = itertools.count()
+_worker: RunGroup | None = None
 
 
 def _own_groups() -> dict[str, str]:
@@ -38,44 +43,84 @@ def _own_groups() -> dict[str, str]:
 
 @dataclass
 class RunGroup:
-    """The groups of one run (one directory for v2, one a controller for v1)."""
+    """The groups a scoring worker's runs go in, one run at a time (one directory for v2, one a
+    controller for v1): made once a worker (``for_worker``), each run's CPU time and memory
+    events read against their values when it began (``begin``)."""
 
     dirs: dict[str, Path]
-    """'memory', 'pids', 'cpu' -> the group's directory (the same one for v2)."""
+    """'memory', 'cpu' -> the group's directory (the same one for v2)."""
     v2: bool
+    limit: int = 0
+    cpu_base: float = 0.0
+    oom_base: int = 0
 
     @classmethod
-    def create(cls, memory_bytes: int, tasks: int) -> RunGroup | None:
+    def for_worker(cls, memory_bytes: int) -> RunGroup | None:
+        """This process's group for its runs, made at its first run (None where it may make
+        none); made anew where the limits change. A group a run is ~40 ms of mkdir, rmdir and
+        waiting for the kernel to let go of its tasks: 25% of a sandboxed run."""
+        global _worker
+        if _worker is not None and _worker.limit != memory_bytes:
+            _worker.remove()
+            _worker = None
+        if _worker is None:
+            _worker = cls.create(memory_bytes)
+            if _worker is not None:
+                _worker.limit = memory_bytes
+                atexit.register(_worker.remove)  # a killed worker's: remove_orphans, later
+        return _worker
+
+    def begin(self) -> None:
+        """Before a run: end anything a run before left in the group (a process that left the
+        previous run's process group), and take the counters' values."""
+        self.kill()
+        self.cpu_base, self.oom_base = 0.0, 0
+        self.cpu_base, self.oom_base = self.cpu_seconds(), self._oom_kills()
+
+    def kill(self) -> None:
+        """SIGKILL every process in the group (after a run: what escaped its process group)."""
+        for d in set(self.dirs.values()):
+            try:
+                pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
+            except OSError:
+                continue
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    @classmethod
+    def create(cls, memory_bytes: int) -> RunGroup | None:
         """A fresh group for a run, its limits set; None where the scorer may not make one."""
         name = f"{PREFIX}{os.getpid()}-{next(_counter)}"
         try:
-            return cls._create_v2(name, memory_bytes, tasks) if (ROOT / "cgroup.controllers") \
-                .is_file() else cls._create_v1(name, memory_bytes, tasks)
+            return cls._create_v2(name, memory_bytes) if (ROOT / "cgroup.controllers") \
+                .is_file() else cls._create_v1(name, memory_bytes)
         except OSError:
             return None
 
     @classmethod
-    def _create_v2(cls, name: str, memory_bytes: int, tasks: int) -> RunGroup | None:
+    def _create_v2(cls, name: str, memory_bytes: int) -> RunGroup | None:
         own = ROOT / _own_groups()[""].lstrip("/")
-        if not {"memory", "pids"} <= set((own / "cgroup.subtree_control").read_text().split()):
+        if "memory" not in (own / "cgroup.subtree_control").read_text().split():
             return None
         d = own / name
         d.mkdir()
-        group = cls({"memory": d, "pids": d, "cpu": d}, True)
+        group = cls({"memory": d, "cpu": d}, True)
         try:
             (d / "memory.max").write_text(str(memory_bytes))
             if (d / "memory.swap.max").exists():
                 (d / "memory.swap.max").write_text("0")
-            (d / "pids.max").write_text(str(tasks))
         except OSError:
             group.remove()
             raise
         return group
 
     @classmethod
-    def _create_v1(cls, name: str, memory_bytes: int, tasks: int) -> RunGroup | None:
+    def _create_v1(cls, name: str, memory_bytes: int) -> RunGroup | None:
         own = _own_groups()
-        where = {"memory": "memory", "pids": "pids", "cpu": "cpuacct"}
+        where = {"memory": "memory", "cpu": "cpuacct"}
         dirs: dict[str, Path] = {}
         group = cls(dirs, False)
         try:
@@ -90,35 +135,46 @@ class RunGroup:
             swap = dirs["memory"] / "memory.memsw.limit_in_bytes"
             if swap.exists():
                 swap.write_text(str(memory_bytes))
-            (dirs["pids"] / "pids.max").write_text(str(tasks))
         except OSError:
             group.remove()
             raise
         return group
 
     def join(self) -> None:
-        """Put the calling process (the run's first, before exec) in every group of the run."""
-        pid = str(os.getpid())
-        for d in set(self.dirs.values()):
-            (d / "cgroup.procs").write_text(pid)
+        """Put the calling process (the run's first, between fork and exec) in the group: plain
+        system calls on paths made beforehand (``_procs``)."""
+        pid = str(os.getpid()).encode()
+        for path in self._procs:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, pid)
+            finally:
+                os.close(fd)
+
+    @property
+    def _procs(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in dict.fromkeys(self.dirs.values())]
 
     def cpu_seconds(self) -> float:
-        """CPU time of every process the run had, alive or ended."""
+        """CPU time of every process the run had, alive or ended (since ``begin``)."""
         d = self.dirs["cpu"]
         if self.v2:
             stat = dict(line.split() for line in (d / "cpu.stat").read_text().splitlines())
-            return int(stat["usage_usec"]) / 1e6
-        return int((d / "cpuacct.usage").read_text()) / 1e9
+            return int(stat["usage_usec"]) / 1e6 - self.cpu_base
+        return int((d / "cpuacct.usage").read_text()) / 1e9 - self.cpu_base
 
     def out_of_memory(self) -> bool:
-        """Whether the kernel ended a process of the run at its memory limit."""
+        """Whether the kernel ended a process of the run at its memory limit (since ``begin``)."""
+        return self._oom_kills() > self.oom_base
+
+    def _oom_kills(self) -> int:
         d = self.dirs["memory"]
         try:
             text = (d / ("memory.events" if self.v2 else "memory.oom_control")).read_text()
         except OSError:
-            return False
+            return 0
         fields = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
-        return int(fields.get("oom_kill", 0)) > 0
+        return int(fields.get("oom_kill", 0))
 
     def remove(self) -> None:
         """End whatever is left of the run in the groups and remove them."""
@@ -154,7 +210,7 @@ def remove_orphans() -> list[Path]:
     removed; returns them."""
     own = _own_groups()
     bases = [ROOT / own[""].lstrip("/")] if (ROOT / "cgroup.controllers").is_file() else [
-        ROOT / c / own[c].lstrip("/") for c in ("memory", "pids", "cpuacct") if c in own]
+        ROOT / c / own[c].lstrip("/") for c in ("memory", "cpuacct") if c in own]
     gone = []
     for base in bases:
         try:

@@ -87,7 +87,9 @@ def run_python(spec: SandboxSpec, files: dict[str, str], main: str, stdin: str =
             (code / name).write_text(text)
         (host / "stdin").write_text(stdin)
         # the run's tree: its memory (what RLIMIT_AS misses too), tasks and summed CPU time
-        group = cgroups.RunGroup.create(spec.memory_mb << 20, spec.processes + _PLUMBING)
+        group = cgroups.RunGroup.for_worker(spec.memory_mb << 20)
+        if group is not None:
+            group.begin()
         if spec.mode == OS_SANDBOX:
             seccomp = syscalls.filter_fd()
             cmd = _bwrap_command(spec, code, main, args, seccomp)
@@ -103,7 +105,7 @@ def run_python(spec: SandboxSpec, files: dict[str, str], main: str, stdin: str =
         if seccomp is not None:
             os.close(seccomp)
         if group is not None:
-            group.remove()
+            group.kill()  # what left the run's process group (the unsafe mode's setsid child)
         shutil.rmtree(host, ignore_errors=True)
 
 
@@ -276,8 +278,6 @@ _cleaned = False
 """Whether this process removed what dead workers left (its first run does)."""
 HOST_PREFIX = "mugrpo-sandbox-"
 """A run's host directory: ``<tmp>/mugrpo-sandbox-<worker pid>-<random>``."""
-_PLUMBING = 3
-"""Tasks of the sandbox itself in a run's group: bwrap, its init, setpriv's exec."""
 _POLL_S = 0.1
 """How often the watcher reads the tree's CPU time (a run may overrun sandbox_cpu_s by this
 times its processes)."""
@@ -304,12 +304,12 @@ def remove_orphans() -> list[Path]:
 
 def _shortfalls(spec: SandboxSpec) -> list[str]:
     """What the sandbox cannot bound on this machine, in words."""
-    group = cgroups.RunGroup.create(spec.memory_mb << 20, spec.processes + _PLUMBING)
+    group = cgroups.RunGroup.create(spec.memory_mb << 20)
     if group is not None:
         group.remove()
         return []
     return [f"reward.sandbox: the scorer may not create control groups here (neither a "
-            f"delegated cgroup v2 subtree nor writable v1 memory/pids/cpuacct hierarchies; run "
+            f"delegated cgroup v2 subtree nor writable v1 memory/cpuacct hierarchies; run "
             f"as root, or under a systemd unit with Delegate=yes), so a program's memory and CPU "
             f"are bounded per process only: up to reward.sandbox_processes x sandbox_memory_mb "
             f"= {spec.processes * spec.memory_mb} MB of address space and "
