@@ -57,8 +57,8 @@ class RunGroup:
     @classmethod
     def for_worker(cls, memory_bytes: int) -> RunGroup | None:
         """This process's group for its runs, made at its first run (None where it may make
-        none); made anew where the limits change. A group a run is ~40 ms of mkdir, rmdir and
-        waiting for the kernel to let go of its tasks: 25% of a sandboxed run."""
+        none); made anew where the limits change. A group a run would add a mkdir and an rmdir
+        that waits (in 20 ms steps) for the kernel to let go of the run's tasks."""
         global _worker
         if _worker is not None and _worker.limit != memory_bytes:
             _worker.remove()
@@ -74,7 +74,7 @@ class RunGroup:
         """Before a run: end anything a run before left in the group (a process that left the
         previous run's process group), and take the counters' values."""
         self.kill()
-        self.cpu_base, self.oom_base = 0.0, 0
+        self.cpu_base = 0.0  # cpu_seconds() is measured from it
         self.cpu_base, self.oom_base = self.cpu_seconds(), self._oom_kills()
 
     def kill(self) -> None:
