@@ -86,7 +86,7 @@ def run_python(spec: SandboxSpec, files: dict[str, str], main: str, stdin: str =
         for name, text in files.items():
             (code / name).write_text(text)
         (host / "stdin").write_text(stdin)
-        # the run's tree: its memory (what RLIMIT_AS misses too), tasks and summed CPU time
+        # the run's tree: its memory (what RLIMIT_AS misses too) and summed CPU time
         group = cgroups.RunGroup.for_worker(spec.memory_mb << 20)
         if group is not None:
             group.begin()
