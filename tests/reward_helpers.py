@@ -1,7 +1,14 @@
 """Module-level reward functions for the scorer tests (workers import them by path)."""
 
 import os
+import shutil
 import time
+
+import pytest
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                 reason="bubblewrap is not installed (scripts/setup_env.sh does it)")
+"""The code reward's OS sandbox tests need bubblewrap."""
 
 SLOW_ENV = "MUGRPO_TEST_SLOW_REWARD"
 """Seconds the digit rewards sleep a response, set in the environment of a run a test kills

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers import ROOT
+from reward_helpers import needs_bwrap
 
 from mugrpo_megatron.config import RewardConfig
 from mugrpo_megatron.rewards import RewardScorer, RowInfo
@@ -23,9 +24,6 @@ from mugrpo_megatron.rewards.code import (
     stdout_matches,
     value_matches,
 )
-
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                 reason="bubblewrap is not installed (scripts/setup_env.sh does it)")
 
 
 def fenced(code: str, tag: str = "python") -> str:

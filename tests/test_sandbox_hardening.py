@@ -7,13 +7,13 @@ import ctypes
 import errno
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
+from reward_helpers import needs_bwrap
 
 from mugrpo_megatron.rewards.code import (
     CasesNotRun,
@@ -25,8 +25,6 @@ from mugrpo_megatron.rewards.code import (
 )
 from mugrpo_megatron.rewards.sandbox import SandboxSpec, remove_orphans, run_python
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                 reason="bubblewrap is not installed (scripts/setup_env.sh does it)")
 SPEC = SandboxSpec(cpu_s=1.0, wall_s=8.0, program_s=20.0, memory_mb=256, processes=16)
 
 

@@ -232,21 +232,27 @@ def run_calls(spec: SandboxSpec, program: str, cases: Cases, seconds: float) -> 
     ``seconds`` of wall clock and ``spec.cpu_s`` CPU seconds a case. A case whose call raises,
     runs out of time, or never starts (the program ended the process) fails; one interpreter
     start a program instead of one a case."""
-    try:
-        calls = json.dumps([_call_args(x) for x in cases.inputs])
-    except (json.JSONDecodeError, TypeError) as e:
-        raise ValueError(f"the ground truth's inputs are not JSON arguments ({e})") from None
     n = len(cases.inputs)
-    whole = replace(spec, wall_s=seconds, cpu_s=min(spec.cpu_s * n, seconds))
-    got = run_python(whole, {"solution.py": program, "harness.py": _HARNESS}, "harness.py",
-                     stdin=calls, args=(cases.fn_name, str(max(1, math.ceil(spec.wall_s)))))
-    notes = _call_notes(got.stdout, cases)
+    got, notes = _run_calls(spec, program, cases, seconds)
     if got.status == "timeout" and None in notes:  # the run's clock ran out before every case
         ran = n - notes.count(None)
         raise CasesNotRun(f"{ran} of {n} function-call cases ran within "
                           f"reward.sandbox_program_s = {seconds:g} s "
                           f"({notes.count('passed')} passed)")
     return [note == "passed" for note in notes]
+
+
+def _run_calls(spec: SandboxSpec, program: str, cases: Cases, seconds: float):
+    """The harness's one sandboxed run of every call (``run_calls``), and each case's note;
+    ValueError where the inputs are not JSON arguments."""
+    try:
+        calls = json.dumps([_call_args(x) for x in cases.inputs])
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"the ground truth's inputs are not JSON arguments ({e})") from None
+    whole = replace(spec, wall_s=seconds, cpu_s=min(spec.cpu_s * len(cases.inputs), seconds))
+    got = run_python(whole, {"solution.py": program, "harness.py": _HARNESS}, "harness.py",
+                     stdin=calls, args=(cases.fn_name, str(max(1, math.ceil(spec.wall_s)))))
+    return got, _call_notes(got.stdout, cases)
 
 
 def _call_notes(stdout: str, cases: Cases) -> list[str | None]:
@@ -320,14 +326,9 @@ def explain(completion: str, answer: str, sandbox: SandboxSpec) -> str:
     n = len(cases.inputs)
     if cases.fn_name is not None:
         try:
-            calls = json.dumps([_call_args(x) for x in cases.inputs])
-        except (json.JSONDecodeError, TypeError) as e:
-            return f"bad ground truth: its inputs are not JSON arguments ({e})"
-        whole = replace(sandbox, wall_s=sandbox.program_s,
-                        cpu_s=min(sandbox.cpu_s * n, sandbox.program_s))
-        got = run_python(whole, {"solution.py": program, "harness.py": _HARNESS}, "harness.py",
-                         stdin=calls, args=(cases.fn_name, str(max(1, math.ceil(sandbox.wall_s)))))
-        notes = _call_notes(got.stdout, cases)
+            got, notes = _run_calls(sandbox, program, cases, sandbox.program_s)
+        except ValueError as e:
+            return f"bad ground truth: {e}"
         for i, note in enumerate(notes):
             if note is None:
                 return (f"case {i} of {n} never ran (the run ended: {got.status}"
