@@ -115,8 +115,10 @@ class CodeTruths:
     reward failure of every response to that row in training."""
 
     def __init__(self, cfg: Config):
-        self.cfg, self.parsed, self.bad = cfg, 0, []
+        self.cfg, self.parsed, self.bad = cfg, 0, 0
         self.examples: list[str] = []
+        """The first few bad rows with their error (only the count of the rest is kept: 10^6
+        rows' ground truths are parsed one at a time, none held)."""
 
     def see(self, key: str, chunk) -> None:
         from mugrpo_megatron.rewards.code import parse_cases
@@ -129,7 +131,7 @@ class CodeTruths:
             try:
                 parse_cases(answer)
             except ValueError as e:
-                self.bad.append(f"{key} row {row}")
+                self.bad += 1
                 if len(self.examples) < 5:
                     self.examples.append(f"{key} row {row} ({source}): {e}")
 
@@ -140,7 +142,7 @@ class CodeTruths:
             return None
         if not self.bad:
             return f"code ground truths: all {self.parsed} parsed as test cases"
-        said = (f"code ground truths: {len(self.bad)} of {self.parsed} are not test cases (each "
+        said = (f"code ground truths: {self.bad} of {self.parsed} are not test cases (each "
                 f"response to them is a reward failure): " + "; ".join(self.examples))
         if self.cfg.reward.on_error == "raise":
             raise ValueError(said + ". reward.on_error is 'raise', so training would stop at "

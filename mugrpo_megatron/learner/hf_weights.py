@@ -103,7 +103,17 @@ def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str 
     first = expert_offset(spec)
     experts = range(first, first + spec.num_experts // mpu.get_expert_model_parallel_world_size()) \
         if spec.is_moe else None
-    if unread := unread_layer_tensors(read.files, read.read, held, experts):
+    unread = unread_layer_tensors(read.files, read.read, held, experts)
+    # agreed on by every rank (one MAX all-reduce of one number, every rank once a load), so
+    # that no rank raises while the others go on into the next collective and wait there for
+    # parallel.timeout_minutes
+    found = torch.tensor([len(unread)], device=next(chunks[0].parameters()).device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    if found.item() and not unread:
+        raise ValueError(f"{hf_dir}: another rank's layers have checkpoint tensors that went "
+                         f"into no parameter (that rank names them)")
+    if unread:
         raise ValueError(
             f"{hf_dir}: {len(unread)} tensor(s) of this rank's layers went into no parameter of "
             f"the model megatron-core built, e.g. {', '.join(sorted(unread)[:4])}: its layer spec "
