@@ -24,6 +24,7 @@ from mugrpo_megatron import outputs
 from mugrpo_megatron.config import Config, ParallelConfig
 from mugrpo_megatron.rewards import RewardScorer, RowInfo
 from mugrpo_megatron.rewards.scorer import describe_failures
+from mugrpo_megatron.trajectory import ToolSetup, model_text
 from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ def score_eval(gens: Sequence[Sequence[Generation]], prompts: Sequence[Prompt],
     texts, answers, rows, lengths = [], [], [], []
     for prompt, group in zip(prompts, gens):
         for g in group:
-            texts.append(tokenizer.decode(list(g.token_ids), skip_special_tokens=True))
+            texts.append(model_text(tokenizer, g))
             answers.append(prompt.answer)
             rows.append(RowInfo(prompt.source, prompt.text, prompt.metadata, prompt.index))
             lengths.append(len(g.token_ids))
@@ -199,6 +200,9 @@ def evaluate_checkpoint(cfg: Config, model: Path, *, data: list[str] | None, lim
         engine = make_engine(cfg.rollout, hf, dtype=cfg.model.dtype,
                              max_model_len=cfg.engine_max_len,
                              trust_remote_code=cfg.model.trust_remote_code)
+        tools = ToolSetup.of(cfg, tokenizer)
+        if tools is not None:  # held-out sets with the tools the policy trains with
+            engine = tools.wrap(engine, cfg.rollout, leader=True)
         results = {}
         try:
             with RewardScorer(cfg.reward) as scorer:

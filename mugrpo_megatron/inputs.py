@@ -153,14 +153,18 @@ class CodeTruths:
 def check_rewards(cfg: Config) -> None:
     """Every reward function the run may call imports and takes what the scorer gives
     (``rewards.reward_specs``); ValueError naming the setting otherwise. Every rank. Where a
-    function runs programs (it takes ``sandbox``: the code reward), the sandbox runs one here
-    first (``sandbox.probe``: ``SandboxUnavailable``, a ValueError naming the cause and the
-    choices), or, with ``reward.sandbox: unsafe``, a warning that nothing is isolated."""
+    function runs programs (it takes ``sandbox``: the code reward), or the policy's python tool
+    does (``rollout.tools``, whose every entry is imported and its schema read here too), the
+    sandbox runs one here first (``sandbox.probe``: ``SandboxUnavailable``, a ValueError naming
+    the cause and the choices), or, with ``reward.sandbox: unsafe``, a warning that nothing is
+    isolated."""
     from mugrpo_megatron.rewards import reward_specs
     from mugrpo_megatron.rewards.sandbox import UNSAFE, SandboxSpec, probe
+    from mugrpo_megatron.trajectory.tools import PYTHON, resolve_tools
 
     specs, _ = reward_specs(cfg.reward)
-    if not any("sandbox" in s.takes for s in specs):
+    resolve_tools(cfg.rollout.tools)
+    if not any("sandbox" in s.takes for s in specs) and PYTHON not in cfg.rollout.tools:
         return
     if cfg.reward.uses_code and "boxed" in cfg.data.instruction:
         print(f"warning: data.instruction is {cfg.data.instruction!r}, a math instruction, and "

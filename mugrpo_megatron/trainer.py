@@ -56,10 +56,12 @@ from mugrpo_megatron.phase import (
     score_behaviour,
     score_reference,
 )
+from mugrpo_megatron.phase.data import trajectory_stats
 from mugrpo_megatron.phase.schedule import mixture_coverage
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
 from mugrpo_megatron.rewards.scorer import RewardFailed
+from mugrpo_megatron.trajectory import ToolSetup
 
 
 class Trainer:
@@ -114,7 +116,8 @@ class Trainer:
                 cfg.rollout, cfg.model.path, dtype=cfg.model.dtype,
                 max_model_len=cfg.engine_max_len,
                 trust_remote_code=cfg.model.trust_remote_code, load_weights=False,
-                timeout_minutes=cfg.parallel.timeout_minutes)
+                timeout_minutes=cfg.parallel.timeout_minutes,
+                tools=ToolSetup.of(cfg, self.tokenizer))
             self.handoff.mark_memory("start")
             self.engines.sleep()  # awake only to generate (and take weights), not while training
         # NCCL's watchdog reports a timeout in its own words ("Timeout(ms)=..."): say which
@@ -450,6 +453,7 @@ class Trainer:
             "skipped": step.skipped, "reason": step.reason, "seconds": step.seconds,
             "tokens_per_s": n_tok / step.seconds if step.seconds else 0.0,
             "response_len": n_tok / len(rows), "reward": float(data.reward[rows].mean()),
+            **(trajectory_stats(data, rows) if data.has_tools else {}),
             **{k: v for k, v in step.metrics.items() if not k.startswith("num_")}})
         if step.skipped:
             self.progress.note(f"update {mb.update} skipped ({step.reason}); parameters and "

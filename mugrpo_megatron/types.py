@@ -37,14 +37,32 @@ class SamplingSpec:
 
 @dataclass(frozen=True)
 class Generation:
-    """One sampled response."""
+    """One sampled response: one model turn, or a trajectory of model turns and the tool
+    messages between them (``rollout.tools``), its tokens exactly those the engine saw."""
 
     token_ids: tuple[int, ...]
-    """The generated tokens (the prompt excluded)."""
+    """The tokens after the prompt: generated ones, and in a trajectory the tool messages'."""
     logprobs: tuple[float, ...]
-    """The behaviour policy's log-prob of each generated token, as the engine sampled it."""
+    """The behaviour policy's log-prob of each token as the engine sampled it (0.0 at a tool
+    message's tokens, which no policy sampled)."""
     finish_reason: str
-    """'stop' (EOS or a stop token) or 'length' (max_new_tokens reached)."""
+    """'stop' (EOS or a stop token, no tool call after it), 'length' (``max_new_tokens``, which
+    counts every token after the prompt, reached) or 'turns' (``rollout.max_turns`` model turns,
+    the last one calling a tool)."""
+    tool_spans: tuple[int, ...] = ()
+    """Where the tool messages are in ``token_ids``: [start, end) pairs, flattened. Those tokens
+    take no part in the loss; a trajectory starts and ends with model tokens."""
+    turns: int = 1
+    """Model turns."""
+    tool_calls: int = 0
+    """Tool calls the model made (a malformed one counted as one)."""
+    tool_errors: int = 0
+    """Calls that came back as an error message: malformed, an unknown tool, bad arguments, a
+    tool that raised or ran past its time."""
+
+    @property
+    def tool_tokens(self) -> int:
+        return sum(self.tool_spans[1::2]) - sum(self.tool_spans[0::2])
 
 
 @dataclass(frozen=True)

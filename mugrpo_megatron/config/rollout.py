@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from mugrpo_megatron.config.section import Section
+from mugrpo_megatron.trajectory.calls import CALL_FORMATS
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,39 @@ class RolloutConfig(Section):
     0 turns the check off."""
     seed: int = 0
     """Sampling seed of the engine."""
+    tools: tuple[str, ...] = ()
+    """Tools the policy may call; each sample is then a trajectory of model turns and tool
+    messages (``trajectory``). Each is the built-in 'python' (the model's code run in the code
+    reward's sandbox, ``reward.sandbox*``) or a 'module:function' path (as rewards are named;
+    its schema its ``tool_schema`` attribute, else read from its signature and docstring).
+    Given to the chat template as ``tools=``. verl: actor_rollout_ref.rollout.multi_turn.enable
+    with a tool_config_path. Empty: one model turn a sample."""
+    max_turns: int = 8
+    """Model turns a trajectory has at most (verl: multi_turn.max_assistant_turns); a last turn
+    that calls a tool ends it (finish 'turns'). Every turn and tool message counts against
+    max_new_tokens."""
+    tool_format: str = "auto"
+    """How calls are parsed from a model turn: 'hermes' (Qwen2.5/Qwen3's <tool_call> JSON),
+    'llama3_json' (Llama 3.1's JSON calls), 'auto' (from the chat template). vLLM's
+    --tool-call-parser names; verl: multi_turn.format."""
+    tool_workers: int = 4
+    """Processes that run tool calls, per engine replica (one call at a time each), while the
+    engine decodes other sequences."""
+    tool_timeout_s: float = 30.0
+    """Wall-clock limit of one call (its worker is killed past it; the model is told)."""
+    tool_output_chars: int = 1024
+    """A tool message's text is cut to this many characters, its beginning and end kept (verl:
+    multi_turn.max_tool_response_length with tool_response_truncate_side: middle)."""
 
     def __post_init__(self) -> None:
         self._positive("tensor_parallel", "group_size", "max_new_tokens", "cpu_kv_cache_gib",
                        "start_timeout_minutes", "weight_bucket_mb", "shard_prompts")
         self._non_negative("mismatch_check_samples", "max_inflight_prompts", "max_num_seqs")
+        self._positive("max_turns", "tool_workers", "tool_timeout_s", "tool_output_chars")
+        if self.tool_format not in CALL_FORMATS:
+            self._fail("tool_format", f"must be one of {list(CALL_FORMATS)}")
+        if len(set(self.tools)) != len(self.tools):
+            self._fail("tools", "names a tool twice")
         if not 0 < self.temperature:
             self._fail("temperature", "must be > 0")
         if not 0 < self.top_p <= 1:

@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from mugrpo_megatron.types import Generation, SamplingSpec
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One model turn of a trajectory (``trajectory.engine``): one sample from ``token_ids``."""
+
+    key: int
+    """The caller's name for it, given back with its turn."""
+    token_ids: Sequence[int]
+    """The prompt and the trajectory so far."""
+    max_new_tokens: int
+    seed: int | None
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,34 @@ class RolloutEngine(abc.ABC):
                 for k, group in enumerate(self.generate(prompts[start:end], spec)):
                     yield start + k, group
                 start = end
+
+    _turns: list[TurnRequest] | None = None
+    """Turns queued and not yet run (the default turn API below)."""
+
+    def submit_turns(self, requests: Sequence[TurnRequest], sampling: SamplingSpec) -> None:
+        """Queue model turns, one sample each (``sampling`` with n = 1; each request's own
+        length and seed), while others run. ``step_turns`` gives them back as they finish.
+
+        This default keeps them for the next ``step_turns``, which generates every queued turn
+        in ``generate`` calls (one per distinct length; engines without per-request seeds);
+        engines with a step API (vLLM) add them to the running batch at once."""
+        self._turn_sampling = sampling
+        self._turns = (self._turns or []) + list(requests)
+
+    def step_turns(self) -> list[tuple[int, Generation]]:
+        """Advance the engine; the turns that finished, as (key, the turn)."""
+        todo, self._turns = self._turns or [], []
+        out = []
+        for length in sorted({r.max_new_tokens for r in todo}):
+            batch = [r for r in todo if r.max_new_tokens == length]
+            spec = replace(self._turn_sampling, n=1, max_new_tokens=length, seed=None)
+            groups = self.generate([r.token_ids for r in batch], spec)
+            out += [(r.key, group[0]) for r, group in zip(batch, groups)]
+        return out
+
+    def abort_turns(self) -> None:
+        """Drop every turn queued or running (a stream that stopped early)."""
+        self._turns = []
 
     @abc.abstractmethod
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:

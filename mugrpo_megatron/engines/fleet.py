@@ -125,13 +125,15 @@ class EngineFleet:
     @classmethod
     def start(cls, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str, max_model_len: int,
               trust_remote_code: bool = False, load_weights: bool = True,
-              timeout_minutes: float | None = None) -> EngineFleet:
+              timeout_minutes: float | None = None, tools=None) -> EngineFleet:
         """Start the engines of ``cfg.placement`` (collective). Without ``load_weights`` they
         start with placeholder weights and refuse to generate until ``update_weights`` ran
         (see ``make_engine``). First every rank that hosts one checks what it can before any
         starts (``start_problem``) and the ranks agree, so that one rank's problem stops them all
         at once; the engines' own start collectives time out after
-        ``rollout.start_timeout_minutes``, their groups after ``timeout_minutes`` once started."""
+        ``rollout.start_timeout_minutes``, their groups after ``timeout_minutes`` once started.
+        ``tools`` (``trajectory.ToolSetup``, with ``rollout.tools``): each engine samples
+        trajectories, its replica's leader running the tools."""
         rank, world = distributed.world()
         where = placement(cfg, world, launcher_ranks_per_node())
         with distributed.agreed(EngineFailed, "the rollout engine cannot start: {}".format):
@@ -168,7 +170,18 @@ class EngineFleet:
                 group = dist.new_group(ranks, backend="gloo", timeout=timeout)
                 if r == fleet.replica:
                     fleet._replica_group, fleet._replica_leader = group, ranks[0]
+        if tools is not None:  # every rank, so that one rank's failure stops them all
+            with distributed.agreed(EngineFailed, "the tools did not start: {}".format):
+                if engine is not None:
+                    fleet.engine = tools.wrap(engine, cfg, fleet.is_leader,
+                                              fleet._share if fleet._replica_group else None)
         return fleet
+
+    def _share(self, value: object) -> object:
+        """The replica leader's ``value`` on every rank of the replica (one broadcast in it)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=self._replica_leader, group=self._replica_group)
+        return box[0]
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
                  ) -> list[list[Generation]] | None:

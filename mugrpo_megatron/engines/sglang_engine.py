@@ -98,18 +98,31 @@ class SGLangEngine(RolloutEngine):
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
                  ) -> list[list[Generation]]:
-        params = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                  "top_p": sampling.top_p, "top_k": sampling.top_k}
         # One request per sample, G in a row per prompt: answers come back in request order.
         # (SGLang's own n > 1 repeats the whole batch n times, sample-major.) The radix cache
         # shares each prompt's prefill among its G requests.
         requests = [list(map(int, p)) for p in prompts for _ in range(sampling.n)]
-        outputs = self.engine.generate(input_ids=requests, sampling_params=[params] * len(requests),
+        gens = self._run(requests, sampling, [sampling.max_new_tokens] * len(requests))
+        return [gens[k:k + sampling.n] for k in range(0, len(gens), sampling.n)]
+
+    def step_turns(self) -> list[tuple[int, Generation]]:
+        """Every queued turn in one batch (SGLang has no step API here), each its own length;
+        seeds are the engine's (see the module docstring)."""
+        todo, self._turns = self._turns or [], []
+        if not todo:
+            return []
+        gens = self._run([list(map(int, r.token_ids)) for r in todo], self._turn_sampling,
+                         [r.max_new_tokens for r in todo])
+        return [(r.key, g) for r, g in zip(todo, gens)]
+
+    def _run(self, requests: list[list[int]], sampling: SamplingSpec, lengths: list[int]
+             ) -> list[Generation]:
+        params = [{"max_new_tokens": n, "temperature": sampling.temperature,
+                   "top_p": sampling.top_p, "top_k": sampling.top_k} for n in lengths]
+        outputs = self.engine.generate(input_ids=requests, sampling_params=params,
                                        return_logprob=True)
-        result: list[list[Generation]] = []
+        result: list[Generation] = []
         for i, out in enumerate(outputs):
-            if i % sampling.n == 0:
-                result.append([])
             meta = out["meta_info"]
             ids = tuple(int(t) for t in out["output_ids"])
             steps = meta["output_token_logprobs"]
@@ -118,7 +131,7 @@ class SGLangEngine(RolloutEngine):
                                    f"(request {i})")
             reason = meta.get("finish_reason") or {}
             finish = "length" if reason.get("type") == "length" else "stop"
-            result[-1].append(Generation(ids, tuple(float(s[0]) for s in steps), finish))
+            result.append(Generation(ids, tuple(float(s[0]) for s in steps), finish))
         return result
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:

@@ -26,6 +26,7 @@ import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 
@@ -33,7 +34,13 @@ import torch
 
 from mugrpo_megatron.config import RolloutConfig
 from mugrpo_megatron.distributed import is_collective_timeout
-from mugrpo_megatron.engines.base import Generation, RolloutEngine, SamplingSpec, WeightSyncStats
+from mugrpo_megatron.engines.base import (
+    Generation,
+    RolloutEngine,
+    SamplingSpec,
+    TurnRequest,
+    WeightSyncStats,
+)
 from mugrpo_megatron.engines.compat_torch import torch_state_kept
 from mugrpo_megatron.engines.compat_vllm import (
     abort_requests,
@@ -186,6 +193,35 @@ class VLLMEngine(RolloutEngine):
                 refill()
         finally:
             abort_requests(self.llm, list(in_flight))  # a consumer that stopped early
+
+    _turn_ids: dict[str, int] | None = None
+    """Turns in the scheduler: request id -> the caller's key."""
+
+    def submit_turns(self, requests: Sequence[TurnRequest], sampling: SamplingSpec) -> None:
+        """Into the running batch at the next scheduler step, each with its own length and
+        seed."""
+        from vllm.inputs import TokensPrompt
+
+        self._check_usable()
+        if self._turn_ids is None:
+            self._turn_ids = {}
+        if not requests:
+            return
+        params = [self._params(replace(sampling, n=1, max_new_tokens=r.max_new_tokens,
+                                       seed=r.seed), 0) for r in requests]
+        ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=list(r.token_ids))
+                                for r in requests], params, use_tqdm=False)
+        self._turn_ids.update(zip(map(external_request_id, ids), (r.key for r in requests)))
+
+    def step_turns(self) -> list[tuple[int, Generation]]:
+        """One scheduler step; the turns it finished."""
+        return [(self._turn_ids.pop(out.request_id), self._group(out)[0])
+                for out in finished_requests(self.llm)]
+
+    def abort_turns(self) -> None:
+        if self._turn_ids:
+            abort_requests(self.llm, list(self._turn_ids))
+        self._turn_ids = {}
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
         counted = {"tensors": 0, "bytes": 0}

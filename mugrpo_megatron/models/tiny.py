@@ -134,3 +134,49 @@ def make_tiny_checkpoint(out_dir: str | Path, family: str = "llama", *, seed: in
                 b.copy_(0.2 * torch.randn_like(b))
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+TOOL_CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
+"""The call ``teach_tool_calls`` teaches (Hermes format: Qwen2.5/Qwen3's)."""
+
+
+def teach_tool_calls(hf_dir: str | Path, prompts: list[str], *, steps: int = 150,
+                     seed: int = 0) -> Path:
+    """Fine-tune a tiny checkpoint in place so that it answers a chat-templated prompt with the
+    python tool call ``TOOL_CALL`` and a tool's message with ``\\boxed{42}``, each ended by its
+    EOS: a policy that calls tools, sampled mostly as taught (temperature 1 still draws other
+    tokens now and then: malformed calls, text without a call). Trains on its own turns only,
+    the tool message's tokens rendered by ``trajectory.render``, a few seconds on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mugrpo_megatron.trajectory.render import TurnRenderer
+    from mugrpo_megatron.trajectory.tools import PYTHON_SCHEMA
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    renderer = TurnRenderer(tok, [PYTHON_SCHEMA])
+    call = tok(TOOL_CALL + tok.eos_token, add_special_tokens=False)["input_ids"]
+    answer = tok("\\boxed{42}" + tok.eos_token, add_special_tokens=False)["input_ids"]
+    rows = []
+    for text in prompts:
+        prompt = tok(tok.apply_chat_template([{"role": "user", "content": text}],
+                                             tools=[PYTHON_SCHEMA], add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False)["input_ids"]
+        result = renderer.tool_ids([("python", "42\n")])
+        ids = prompt + call + result + answer
+        learn = [0] * len(prompt) + [1] * len(call) + [0] * len(result) + [1] * len(answer)
+        rows.append((ids, learn))
+    width = max(len(ids) for ids, _ in rows)
+    tokens = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in rows])
+    mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.bool)
+    torch.manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        logits = model(tokens).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits[mask[:, 1:]], tokens[:, 1:][mask[:, 1:]])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(str(hf_dir), safe_serialization=True)
+    return Path(hf_dir)

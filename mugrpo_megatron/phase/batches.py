@@ -18,10 +18,14 @@ from mugrpo_megatron.types import TrainBatch
 
 def padded_batch(rows: Sequence[tuple[Sequence[int], Sequence[int], Sequence[float]]],
                  advantages: Sequence[float], pad_id: int = 0, multiple_of: int = 1,
-                 ref_logprobs: Sequence[Sequence[float]] | None = None) -> TrainBatch:
+                 ref_logprobs: Sequence[Sequence[float]] | None = None,
+                 tool_spans: Sequence[Sequence[int]] | None = None) -> TrainBatch:
     """Right-padded prompt+response rows from (prompt ids, response ids, behaviour log-probs)
     (tuples or numpy views of a mapped shard), with each response's reference log-probs when
-    given; the length is rounded up to ``multiple_of``. Memory and time: the batch."""
+    given; the length is rounded up to ``multiple_of``. ``tool_spans``: each response's tool
+    messages ([start, end) pairs in it, flattened), which stay out of ``response_mask``: the
+    loss, its counts, the veto and the log-prob gap see the model's tokens only. Memory and
+    time: the batch."""
     lengths = [len(p) + len(r) for p, r, _ in rows]
     seq = round_up(max(lengths), multiple_of)
     tokens = np.full((len(rows), seq), pad_id, dtype=np.int64)
@@ -34,6 +38,9 @@ def padded_batch(rows: Sequence[tuple[Sequence[int], Sequence[int], Sequence[flo
         tokens[k, a:b] = r
         behav[k, a:b] = lp
         mask[k, a:b] = True
+        if tool_spans is not None:
+            for start, end in zip(tool_spans[k][0::2], tool_spans[k][1::2]):
+                mask[k, a + start:a + end] = False
         if ref is not None:
             ref[k, a:b] = ref_logprobs[k]
     return TrainBatch(torch.from_numpy(tokens), torch.from_numpy(mask), torch.from_numpy(behav),
@@ -59,6 +66,13 @@ class LogprobGap:
     def __add__(self, other: LogprobGap) -> LogprobGap:
         return LogprobGap(self.total + other.total, max(self.max, other.max),
                           self.num_tokens + other.num_tokens)
+
+
+def response_span(mask_row: torch.Tensor) -> slice:
+    """The columns of a row's response, from its first to its last token in ``response_mask``:
+    a trajectory's tool messages inside it too (it starts and ends with model tokens)."""
+    at = torch.nonzero(mask_row).flatten()
+    return slice(int(at[0]), int(at[-1]) + 1) if at.numel() else slice(0, 0)
 
 
 def logprob_gap(learner_logp: torch.Tensor, batch: TrainBatch, rows: int | None = None

@@ -17,7 +17,7 @@ from mugrpo_megatron import distributed
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.layout import round_up
 from mugrpo_megatron.outputs import RunFailed
-from mugrpo_megatron.phase.batches import LogprobGap, logprob_gap
+from mugrpo_megatron.phase.batches import LogprobGap, logprob_gap, response_span
 from mugrpo_megatron.phase.data import (
     BEHAVIOUR_FILE,
     REFERENCE_FILE,
@@ -133,7 +133,8 @@ def score_phase(score, dp: int, data: PhaseData, chunk: int, write: bool, name: 
             mask = batch.response_mask
             if writer is not None and not failure.error:
                 with failure.kept():  # the writer keeps scoring in step with the others
-                    writer.add([logp[k][mask[k]].numpy() for k in range(len(rows))])
+                    writer.add([logp[k][response_span(mask[k])].numpy()
+                                for k in range(len(rows))])
         if writer is not None and not failure.error:
             with failure.kept():
                 writer.commit()

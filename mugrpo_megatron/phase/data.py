@@ -48,6 +48,9 @@ class _Shard:
                 self.prompt_off, self.prompt_at = _locate(t, "prompt_ids", at)
                 self.resp_off, self.resp_at = _locate(t, "response_ids", at)
                 _, self.logp_at = _locate(t, "behav_logprobs", at)  # response_ids' offsets
+                # trajectories' tool messages (rollout.tools); none in older shards
+                self.span_off, self.span_at = _locate(t, "tool_spans", at) \
+                    if "tool_spans" in t.column_names else (None, 0)
                 del t
         except (pa.ArrowInvalid, OSError, KeyError) as e:
             raise ValueError(f"{path}: not a readable rollout shard ({e})") from e
@@ -63,6 +66,12 @@ class _Shard:
 
     def row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return (*self.tokens(r), self._read(self.logp_at, self.resp_off, r, np.float32))
+
+    def spans(self, r: int) -> np.ndarray:
+        """Row ``r``'s tool-message spans ([start, end) pairs, flattened; empty: none)."""
+        if self.span_off is None or self.span_off[r] == self.span_off[r + 1]:
+            return np.zeros(0, dtype=np.int32)
+        return self._read(self.span_at, self.span_off, r, np.int32)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -185,6 +194,12 @@ class PhaseData:
             np.arange(n, dtype=np.int64) // self.group_size
         self.penalty = column(index, "penalty") if "penalty" in have else np.zeros(n)
         self.source = column(index, "source") if "source" in have else np.zeros(n, np.int32)
+        trajectories = {"tool_tokens": 0, "turns": 1, "tool_calls": 0, "tool_errors": 0}
+        for name, default in trajectories.items():  # an index from before trajectories: none
+            setattr(self, name, column(index, name) if name in have else
+                    np.full(n, default, np.int32))
+        self.has_tools = bool(self.tool_calls.any())
+        """Whether any response of the phase called a tool (its batches then mask tool tokens)."""
         self.sources: list[str] = json.loads(meta.get(b"sources", b'[""]'))
         self.planned_groups = int(meta.get(b"planned_groups", n // self.group_size))
         """The groups the phase was planned for; refill's further groups are beyond them."""
@@ -308,8 +323,10 @@ class PhaseData:
                       for i in rows]
         ref = [self._reference.row(int(i)) for i in rows] if self._reference is not None and \
             not engine_logprobs else None
+        spans = [self.shards[self.shard[i]].spans(int(self.row[i])) for i in rows] \
+            if self.has_tools else None
         return padded_batch(picked, self.advantage[rows], self.pad_id, multiple_of,
-                            ref_logprobs=ref)
+                            ref_logprobs=ref, tool_spans=spans)
 
     def stats(self) -> dict:
         """The phase's summary numbers (vectorised over the index): the task reward (without the
@@ -328,8 +345,23 @@ class PhaseData:
                "response_tokens": int(self.response_len.sum(dtype=np.int64)),
                "truncated_frac": float(self.truncated.sum()) / n,
                "overlong_filtered": self.overlong_filtered}
+        if self.has_tools:
+            out.update(trajectory_stats(self, np.arange(self.num_samples)))
         if self.penalty.any():
             out["overlong_penalty_mean"] = float(self.penalty.mean())
             out["shaped_reward_mean"] = float((self.reward + self.penalty).mean())
         return out
 
+
+
+def trajectory_stats(data: PhaseData, rows: np.ndarray) -> dict:
+    """The trajectories of phase rows ``rows`` in numbers: model turns and tool calls a
+    response, the share of calls that failed, and of the responses' tokens that tool messages
+    hold (``rollout.tools``; vectorised over the index)."""
+    calls = int(data.tool_calls[rows].sum())
+    tokens = int(data.response_len[rows].sum(dtype=np.int64))
+    n = max(len(rows), 1)
+    return {"turns": float(data.turns[rows].sum()) / n, "tool_calls": calls / n,
+            "tool_error_frac": int(data.tool_errors[rows].sum()) / calls if calls else 0.0,
+            "tool_token_frac": int(data.tool_tokens[rows].sum()) / tokens if tokens else 0.0,
+            "tool_call_response_frac": float((data.tool_calls[rows] > 0).sum()) / n}

@@ -56,6 +56,7 @@ from mugrpo_megatron.phase.schedule import Phase
 from mugrpo_megatron.phase.store import Advantages, ScoredGroup, finalize, write_shard
 from mugrpo_megatron.rewards import PendingScores, RewardScorer, RowInfo
 from mugrpo_megatron.rewards.scorer import MAX_FAILURE_EXAMPLES, describe_failures
+from mugrpo_megatron.trajectory import model_text
 from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
 
 _MAX_PENDING_SHARDS = 4
@@ -222,8 +223,7 @@ class ShardWriter:
         """Take one finished group: its texts for the reward, its tokens as numpy arrays (the
         engine's tuples of Python numbers, ~70 bytes a token, go at once)."""
         prompt = self.prompts[self.index_of(position)]
-        texts = self.tokenizer.batch_decode([list(g.token_ids) for g in gens],
-                                            skip_special_tokens=True)
+        texts = [model_text(self.tokenizer, g) for g in gens]  # the model's, not its tools'
         self._open.append((ScoredGroup.of(position, prompt.index, prompt.token_ids, gens, [],
                                           prompt.source), texts, prompt))
         self.counts.responses += len(gens)

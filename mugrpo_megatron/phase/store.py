@@ -63,11 +63,17 @@ SHARD_SCHEMA = pa.schema([
     ("finish_reason", pa.string()),    # 'stop' or 'length'
     ("reward", pa.float64()),
     ("source", pa.string()),           # the prompt's source (data.source_field or its file)
+    # trajectories (rollout.tools): where tool messages sit in response_ids, [start, end) pairs
+    # flattened (empty without tools), the model turns, tool calls and calls that failed
+    ("tool_spans", pa.list_(pa.int32())),
+    ("turns", pa.int32()), ("tool_calls", pa.int32()), ("tool_errors", pa.int32()),
 ])
 INDEX_SCHEMA = pa.schema([
     ("group", pa.int64()), ("shard", pa.int32()), ("row", pa.int32()), ("reward", pa.float64()),
     ("penalty", pa.float64()), ("advantage", pa.float64()), ("response_len", pa.int32()),
     ("truncated", pa.bool_()), ("uniform", pa.bool_()), ("source", pa.int32()),
+    ("tool_tokens", pa.int32()), ("turns", pa.int32()), ("tool_calls", pa.int32()),
+    ("tool_errors", pa.int32()),
 ])
 
 
@@ -124,6 +130,12 @@ class ScoredGroup:
     rewards: Sequence[float]
     source: str = ""
     """The prompt's source (``Prompt.source``)."""
+    tool_spans: Sequence[Sequence[int]] = ()
+    """Each response's ``Generation.tool_spans`` (empty: no tool message anywhere)."""
+    turns: Sequence[int] = ()
+    """Each response's model turns, tool calls and failed calls (empty: one turn, none)."""
+    tool_calls: Sequence[int] = ()
+    tool_errors: Sequence[int] = ()
 
     @classmethod
     def of(cls, position: int, prompt_index: int, prompt_ids: Sequence[int],
@@ -132,7 +144,14 @@ class ScoredGroup:
         return cls(position, prompt_index, prompt_ids,
                    [np.asarray(g.token_ids, dtype=np.int32) for g in generations],
                    [np.asarray(g.logprobs, dtype=np.float32) for g in generations],
-                   [g.finish_reason for g in generations], list(rewards), source)
+                   [g.finish_reason for g in generations], list(rewards), source,
+                   [g.tool_spans for g in generations], [g.turns for g in generations],
+                   [g.tool_calls for g in generations], [g.tool_errors for g in generations])
+
+    def per_response(self, name: str, default: int) -> list:
+        """A per-response trajectory field, ``default`` each where the group has none."""
+        values = getattr(self, name)
+        return list(values) if len(values) else [default] * len(self.responses)
 
 
 def phase_dir(run_dir: Path, phase: int) -> Path:
@@ -162,6 +181,10 @@ def write_shard(directory: Path, groups: Sequence[ScoredGroup]) -> Path:
         "finish_reason": pa.array([x for g in groups for x in g.finish_reasons], pa.string()),
         "reward": pa.array([x for g in groups for x in g.rewards], pa.float64()),
         "source": pa.array(np.repeat([g.source for g in groups], sizes).tolist(), pa.string()),
+        "tool_spans": list_column([x for g in groups for x in g.per_response("tool_spans", ())],
+                                   np.int32, pa.int32()),
+        **{name: pa.array([x for g in groups for x in g.per_response(name, default)], pa.int32())
+           for name, default in (("turns", 1), ("tool_calls", 0), ("tool_errors", 0))},
     }, schema=SHARD_SCHEMA)
     first = min(g.position for g in groups)
     path = directory / f"shard_{first:09d}.arrow"
@@ -220,6 +243,28 @@ def informative_groups(directory: Path, num_groups: int, group_size: int,
     return out
 
 
+TRAJECTORY_COUNTS = ("tool_tokens", "turns", "tool_calls", "tool_errors")
+"""What the index keeps of each response's trajectory (``rollout.tools``)."""
+
+
+def trajectory_counts(t: pa.Table) -> dict[str, np.ndarray]:
+    """A shard's ``TRAJECTORY_COUNTS``, one int32 a response: its tool tokens (summed from the
+    spans, vectorised), turns, calls and failed calls; a shard written before trajectories
+    were kept holds single turns."""
+    n = t.num_rows
+    if "tool_spans" not in t.column_names:
+        return {"tool_tokens": np.zeros(n, np.int32), "turns": np.ones(n, np.int32),
+                "tool_calls": np.zeros(n, np.int32), "tool_errors": np.zeros(n, np.int32)}
+    spans = t.column("tool_spans").chunk(0)
+    values = spans.values.to_numpy().astype(np.int64)
+    signed = np.where(np.arange(len(values)) % 2 == 1, values, -values)  # end - start a span
+    offsets = spans.offsets.to_numpy()
+    running = np.concatenate([[0], np.cumsum(signed)])
+    tool_tokens = (running[offsets[1:]] - running[offsets[:-1]]).astype(np.int32)
+    return {"tool_tokens": tool_tokens, **{name: column(t, name).astype(np.int32)
+                                           for name in ("turns", "tool_calls", "tool_errors")}}
+
+
 def is_generated(directory: Path) -> bool:
     return (directory / "index.arrow").exists()
 
@@ -255,7 +300,8 @@ def finalize(directory: Path, num_groups: int, group_size: int, advantages: Adva
     phase."""
     paths = shard_paths(directory)
     parts: dict[str, list[np.ndarray]] = {k: [] for k in (
-        "group", "sample", "shard", "row", "reward", "length", "truncated", "source")}
+        "group", "sample", "shard", "row", "reward", "length", "truncated", "source",
+        *TRAJECTORY_COUNTS)}
     sources: dict[str, int] = {}
     for s, path in enumerate(paths):
         t = open_table(path)
@@ -271,6 +317,8 @@ def finalize(directory: Path, num_groups: int, group_size: int, advantages: Adva
         uniq, inverse = np.unique(names.astype(str), return_inverse=True)
         codes = np.array([sources.setdefault(str(u), len(sources)) for u in uniq], np.int32)
         parts["source"].append(codes[inverse].astype(np.int32))
+        for name, values in trajectory_counts(t).items():
+            parts[name].append(values)
     cols = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in parts.items()}
     order = np.lexsort((cols["sample"], cols["group"]))
     cols = {k: v[order] for k, v in cols.items()}
@@ -303,7 +351,8 @@ def finalize(directory: Path, num_groups: int, group_size: int, advantages: Adva
                       "reward": cols["reward"].astype(np.float64), "penalty": penalty,
                       "advantage": adv, "response_len": cols["length"].astype(np.int32),
                       "truncated": cols["truncated"].astype(bool), "uniform": uniform,
-                      "source": cols["source"].astype(np.int32)},
+                      "source": cols["source"].astype(np.int32),
+                      **{name: cols[name].astype(np.int32) for name in TRAJECTORY_COUNTS}},
                      schema=INDEX_SCHEMA.with_metadata(
                          {"shards": json.dumps([p.name for p in paths]),
                           "group_size": str(group_size), "planned_groups": str(num_groups),
