@@ -35,6 +35,18 @@ def batch():
     return logp, behav, adv, resp
 
 
+def tool_batch():
+    """``batch`` with tool messages: row 3's columns 7-9 and row 0's 13 out of the mask, their
+    behaviour log-prob 0 and the learner's e^-15 at 8 and 13 (triggers, were they counted)."""
+    logp, behav, adv, resp = batch()
+    logp, behav = logp.clone(), behav.clone()
+    for row, cols in ((3, slice(7, 10)), (0, slice(13, 14))):
+        resp[row, cols] = False
+        behav[row, cols] = 0.0
+    logp[3, 8] = logp[0, 13] = -15.0
+    return logp, behav, adv, resp
+
+
 def _worker(rank, directory):
     from helpers import gloo_world
     from megatron.core import parallel_state as mpu
@@ -61,7 +73,11 @@ def _worker(rank, directory):
         else [2, 3, NO_COLUMN, NO_COLUMN, 4, 5, NO_COLUMN, NO_COLUMN]
     assert packed.positions[2].tolist() == row2, packed.positions
     ok = _same_as_whole_rows(split, split.take, logp, behav, adv, resp) \
-        and _same_as_whole_rows(packed, packed.share.take, logp, behav, adv, packed_resp)
+        and _same_as_whole_rows(packed, packed.share.take, logp, behav, adv, packed_resp) \
+        and _same_as_whole_rows(split, split.take, *tool_batch())  # holes: tool messages
+    logp, behav, adv, resp = tool_batch()
+    resp[2, 7:] = False
+    ok = ok and _same_as_whole_rows(packed, packed.share.take, logp, behav, adv, resp)
     dist.destroy_process_group()
     raise SystemExit(0 if ok else 3)
 
@@ -109,6 +125,19 @@ def test_the_loss_split_over_two_cp_ranks_is_the_whole_rows_loss(tmp_path):
     from helpers import spawn_ranks
 
     assert spawn_ranks(_worker, str(tmp_path), ranks=2, timeout=300) == [0, 0]
+
+
+def test_tool_tokens_across_chunks_trigger_nothing():
+    """The tool rows: without their holes the e^-15 tokens would veto row 3's suffix (a trigger
+    in rank 1's chunk) and change row 0's; with them row 3 keeps every model token."""
+    from mugrpo_megatron.objective import veto_mask
+
+    logp, behav, adv, resp = tool_batch()
+    keep = veto_mask(logp - behav, adv, resp, 1e-4, "suffix")
+    assert keep[3].equal(resp[3])
+    filled = resp.clone()
+    filled[3, 7:10] = True
+    assert not veto_mask(logp - behav, adv, filled, 1e-4, "suffix")[3, 9:15].any()
 
 
 def test_the_test_batch_puts_triggers_across_chunks():

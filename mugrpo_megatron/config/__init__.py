@@ -9,7 +9,7 @@ All of this runs before any process group exists, and every error names the key 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mugrpo_megatron.config.algo import AlgoConfig
 from mugrpo_megatron.config.learner import ModelConfig, OptimConfig, ParallelConfig
@@ -74,6 +74,14 @@ class Config:
         return self.algo.loss_agg_norm or float(self.rollout.max_new_tokens)
 
     def __post_init__(self) -> None:
+        if self.rollout.tools and "tools" not in self.data.chat_template_kwargs:
+            # the prompts are rendered with the tools' schemas (the template's tool section),
+            # and the prompt file's key and the run's fingerprint follow them (data.*)
+            from mugrpo_megatron.trajectory.tools import resolve_tools
+
+            kwargs = {**self.data.chat_template_kwargs,
+                      "tools": [t.schema for t in resolve_tools(self.rollout.tools)]}
+            object.__setattr__(self, "data", replace(self.data, chat_template_kwargs=kwargs))
         sets = self.data.eval_sets
         for name in self.eval.samples_by_set:
             if name not in sets:

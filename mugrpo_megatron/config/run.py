@@ -59,7 +59,9 @@ class DataConfig(Section):
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Options passed to the tokenizer's apply_chat_template, in training, evaluation, the eval
     command and the prompts the rollouts viewer shows alike, e.g. {enable_thinking: false} for
-    Qwen3 (verl data.apply_chat_template_kwargs). Part of the run's fingerprint."""
+    Qwen3 (verl data.apply_chat_template_kwargs). Part of the run's fingerprint. With
+    rollout.tools it gets their JSON schemas as ``tools`` (unless it names its own), so that
+    the prompts show the model its tools as its template does."""
     system_prompt: str | None = None
     """System message put before each prompt when the chat template is used (message prompts:
     only where they have no system message)."""

@@ -36,7 +36,8 @@ class ToolSetup:
             return None
         from mugrpo_megatron.rewards.sandbox_spec import SandboxSpec
 
-        return cls(tokenizer, dict(cfg.data.chat_template_kwargs), SandboxSpec.of(cfg.reward))
+        kwargs = {k: v for k, v in cfg.data.chat_template_kwargs.items() if k != "tools"}
+        return cls(tokenizer, kwargs, SandboxSpec.of(cfg.reward))
 
     def wrap(self, engine, r, leader: bool, agree=None):
         """``engine`` as a ``ToolEngine`` for ``rollout`` settings ``r``; its tools run here

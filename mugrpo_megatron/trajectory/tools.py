@@ -103,6 +103,26 @@ def _import(path: str, key: str):
     return fn
 
 
+ROW_KWARGS = ("create_kwargs", "execute_kwargs")
+"""What a user's tool may take of its row (verl's ``tools_kwargs[name]``), never the model."""
+
+
+def _without_row(fn):
+    """``fn`` as the model sees it: its signature and annotations without ``ROW_KWARGS`` (for
+    ``get_json_schema``, which describes every parameter)."""
+    sig = inspect.signature(fn)
+
+    def shown(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    shown.__name__, shown.__doc__ = fn.__name__, fn.__doc__
+    shown.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values()
+                                                  if p.name not in ROW_KWARGS])
+    shown.__annotations__ = {k: v for k, v in getattr(fn, "__annotations__", {}).items()
+                             if k not in ROW_KWARGS}
+    return shown
+
+
 def resolve_tools(names: tuple[str, ...]) -> list[ToolSpec]:
     """Each of ``rollout.tools`` as a ``ToolSpec``, imported and its schema read here, in the
     parent, so that a bad one stops the run before it starts; ValueError naming the entry."""
@@ -118,7 +138,7 @@ def resolve_tools(names: tuple[str, ...]) -> list[ToolSpec]:
             from transformers.utils import get_json_schema
 
             try:
-                schema = get_json_schema(fn)
+                schema = get_json_schema(_without_row(fn))
             except Exception as e:  # noqa: BLE001 - transformers' own DocstringParsingException
                 raise ValueError(f"{key}: {path!r} has no tool_schema attribute and its JSON "
                                  f"schema cannot be read from its signature and docstring "
@@ -128,9 +148,9 @@ def resolve_tools(names: tuple[str, ...]) -> list[ToolSpec]:
         if not schema["function"].get("name"):
             raise ValueError(f"{key}: {path!r}'s schema has no function name")
         params = inspect.signature(fn).parameters
-        takes = frozenset(p for p in params if p in ("create_kwargs", "execute_kwargs")) | (
-            frozenset({"create_kwargs", "execute_kwargs"})
-            if any(p.kind == p.VAR_KEYWORD for p in params.values()) else frozenset())
+        takes = frozenset(p for p in params if p in ROW_KWARGS) | (
+            frozenset(ROW_KWARGS) if any(p.kind == p.VAR_KEYWORD for p in params.values())
+            else frozenset())
         specs.append(ToolSpec(schema["function"]["name"], path, schema, takes))
     seen = [s.name for s in specs]
     if len(set(seen)) != len(seen):

