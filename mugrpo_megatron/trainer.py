@@ -56,7 +56,6 @@ from mugrpo_megatron.phase import (
     score_behaviour,
     score_reference,
 )
-from mugrpo_megatron.phase.data import trajectory_stats
 from mugrpo_megatron.phase.schedule import mixture_coverage
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
@@ -198,14 +197,10 @@ class Trainer:
             return self._open(directory)
         rec.sync_seconds = self.handoff.sync_weights()  # into the engine's weights, woken alone
         with self.handoff.learner_offloaded(rec):
-            t0 = time.perf_counter()
-            self.engines.wake()  # the KV cache, now that the learner stepped aside
-            rec.switch_seconds += time.perf_counter() - t0
+            rec.switch_seconds += self.engines.wake()  # the KV cache: the learner stepped aside
             self.generate(phase, directory, rec)
             self.handoff.mark_memory("generate", phase.index)
-            t0 = time.perf_counter()
-            self.engines.sleep()
-            rec.switch_seconds += time.perf_counter() - t0
+            rec.switch_seconds += self.engines.sleep()
             data = self._open(directory)
             self.reference(data, rec)  # the device is free: the engine asleep, the learner out
         return data
@@ -453,7 +448,7 @@ class Trainer:
             "skipped": step.skipped, "reason": step.reason, "seconds": step.seconds,
             "tokens_per_s": n_tok / step.seconds if step.seconds else 0.0,
             "response_len": n_tok / len(rows), "reward": float(data.reward[rows].mean()),
-            **(trajectory_stats(data, rows) if data.has_tools else {}),
+            **data.trajectory_stats(rows),
             **{k: v for k, v in step.metrics.items() if not k.startswith("num_")}})
         if step.skipped:
             self.progress.note(f"update {mb.update} skipped ({step.reason}); parameters and "

@@ -23,6 +23,7 @@ waiting in a collective.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -264,18 +265,25 @@ class EngineFleet:
                                "without them, or a sleep dropped them): sync the learner's "
                                "weights first")
 
-    def sleep(self) -> None:
+    def sleep(self) -> float:
+        """Release the engines' memory; the seconds it took."""
+        t0 = time.perf_counter()
         if self.engine is not None:
             self.engine.sleep()
         if self.sleep_discards_weights and self.memory != "asleep":
             self.has_weights = False  # nothing to sample from until the next sync
         self.memory = "asleep"
+        return time.perf_counter() - t0
 
-    def wake(self, weights_only: bool = False) -> None:
+    def wake(self, weights_only: bool = False) -> float:
+        """Take the engines' memory back (the weights' alone with ``weights_only``); the
+        seconds it took."""
+        t0 = time.perf_counter()
         if self.engine is not None:
             self.engine.wake(weights_only=weights_only)
         if not (weights_only and self.memory == "awake"):
             self.memory = "weights" if weights_only else "awake"
+        return time.perf_counter() - t0
 
     @property
     def kv_cache_awake(self) -> bool:

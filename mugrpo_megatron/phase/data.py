@@ -328,6 +328,20 @@ class PhaseData:
         return padded_batch(picked, self.advantage[rows], self.pad_id, multiple_of,
                             ref_logprobs=ref, tool_spans=spans)
 
+    def trajectory_stats(self, rows: np.ndarray) -> dict:
+        """The trajectories of phase rows ``rows`` in numbers (none without tool calls): model
+        turns and tool calls a response, the share of calls that failed, of the responses'
+        tokens that tool messages hold, and of responses that called (vectorised)."""
+        if not self.has_tools:
+            return {}
+        calls = int(self.tool_calls[rows].sum())
+        tokens = int(self.response_len[rows].sum(dtype=np.int64))
+        n = max(len(rows), 1)
+        return {"turns": float(self.turns[rows].sum()) / n, "tool_calls": calls / n,
+                "tool_error_frac": int(self.tool_errors[rows].sum()) / calls if calls else 0.0,
+                "tool_token_frac": int(self.tool_tokens[rows].sum()) / tokens if tokens else 0.0,
+                "tool_call_response_frac": float((self.tool_calls[rows] > 0).sum()) / n}
+
     def stats(self) -> dict:
         """The phase's summary numbers (vectorised over the index): the task reward (without the
         overlong penalty) overall and by source, and what was left out of training."""
@@ -345,23 +359,10 @@ class PhaseData:
                "response_tokens": int(self.response_len.sum(dtype=np.int64)),
                "truncated_frac": float(self.truncated.sum()) / n,
                "overlong_filtered": self.overlong_filtered}
-        if self.has_tools:
-            out.update(trajectory_stats(self, np.arange(self.num_samples)))
+        out.update(self.trajectory_stats(np.arange(self.num_samples)))
         if self.penalty.any():
             out["overlong_penalty_mean"] = float(self.penalty.mean())
             out["shaped_reward_mean"] = float((self.reward + self.penalty).mean())
         return out
 
 
-
-def trajectory_stats(data: PhaseData, rows: np.ndarray) -> dict:
-    """The trajectories of phase rows ``rows`` in numbers: model turns and tool calls a
-    response, the share of calls that failed, and of the responses' tokens that tool messages
-    hold (``rollout.tools``; vectorised over the index)."""
-    calls = int(data.tool_calls[rows].sum())
-    tokens = int(data.response_len[rows].sum(dtype=np.int64))
-    n = max(len(rows), 1)
-    return {"turns": float(data.turns[rows].sum()) / n, "tool_calls": calls / n,
-            "tool_error_frac": int(data.tool_errors[rows].sum()) / calls if calls else 0.0,
-            "tool_token_frac": int(data.tool_tokens[rows].sum()) / tokens if tokens else 0.0,
-            "tool_call_response_frac": float((data.tool_calls[rows] > 0).sum()) / n}
