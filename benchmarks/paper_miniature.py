@@ -53,8 +53,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 import code_task  # noqa: E402
 import miniature_report as report  # noqa: E402
 import miniature_task  # noqa: E402
+import tool_task  # noqa: E402
 from common import write_json  # noqa: E402
-from miniature_grids import CODE_GRIDS, GRIDS, MUGRPO, Grid, Job, jobs_for, row  # noqa: E402
+from miniature_grids import (  # noqa: E402
+    CODE_GRIDS,
+    GRIDS,
+    MUGRPO,
+    TOOL_GRIDS,
+    Grid,
+    Job,
+    jobs_for,
+    row,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = Path(__file__).with_suffix(".yaml")
@@ -71,6 +81,16 @@ CODE_SETS = {"reward.name": "code", "reward.batch_responses": 1,
              "rollout.max_new_tokens": code_task.MAX_NEW_TOKENS, "data.max_prompt_tokens": 40}
 """``--task code``'s settings over the base config: the code reward (each response its own
 scoring task, so a slow program holds up no other), room for the longest worked program."""
+TOOL_POLICY = ROOT / "benchmarks" / "tool_policy"
+"""The tool task's committed SFT policy (``--task tools``; ``tool_task``)."""
+TOOL_SETS = {"rollout.tools": "[python]", "rollout.max_turns": 2, "rollout.tool_workers": 2,
+             "rollout.max_new_tokens": tool_task.MAX_NEW_TOKENS, "data.chat_template": "true",
+             "data.prompt_template": "{prompt}", "data.max_prompt_tokens": 48}
+"""``--task tools``'s settings over the base config: the python tool (two turns: a call, then
+the answer), the chat template that renders its messages, room for both turns."""
+TASK_SETS = {"code": CODE_SETS, "tools": TOOL_SETS, "math": {}}
+TASK_POLICIES = {"code": CODE_POLICY, "tools": TOOL_POLICY, "math": GRID_POLICY}
+TASK_GRIDS = {"code": CODE_GRIDS, "tools": TOOL_GRIDS, "math": GRIDS}
 PASS_RANGE = (0.2, 0.6)
 NUM_TRAIN, NUM_PROBE = 8000, 128
 QUICK = Grid("quick", "the signal is there: Mu-GRPO, one phase", ((MUGRPO, 2),), lr=1e-4, mu=32,
@@ -93,7 +113,7 @@ def run_job(job: Job, model: Path, data: Path, run_dir: Path, args) -> dict:
         "algo.seed": seed, "rollout.seed": seed,
         "optim.lr": grid.lr, "logging.eval_every_updates": grid.eval_every,
         "logging.run_dir": run_dir,
-        **(CODE_SETS if args.task == "code" else {}),
+        **TASK_SETS[args.task],
     }
     if r.max_drift is not None:
         sets["algo.max_drift"] = r.max_drift
@@ -116,10 +136,11 @@ def run_job(job: Job, model: Path, data: Path, run_dir: Path, args) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--task", default="math", choices=["math", "code"],
-                    help="the arithmetic miniature (miniature_task) or the code one (code_task: "
-                         "programs run in the sandbox by reward.name: code)")
-    ap.add_argument("--grid", choices=[*GRIDS, *CODE_GRIDS, "custom"],
+    ap.add_argument("--task", default="math", choices=["math", "code", "tools"],
+                    help="the arithmetic miniature (miniature_task), the code one (code_task: "
+                         "programs run in the sandbox by reward.name: code) or the tool one "
+                         "(tool_task: multiplication with the python tool)")
+    ap.add_argument("--grid", choices=[*GRIDS, *CODE_GRIDS, *TOOL_GRIDS, "custom"],
                     help="the sub-grid to run (miniature_grids.py); 'custom': --rows at --seeds "
                          "with the regime flags")
     ap.add_argument("--quick", action="store_true",
@@ -160,9 +181,9 @@ def parse_args(argv=None):
                                          "(benchmarks/RESULTS.md) with its table and plot")
     args = ap.parse_args(argv)
     if args.grid is None:
-        args.grid = "code" if args.task == "code" else "today"
+        args.grid = {"code": "code", "tools": "tools"}.get(args.task, "today")
     if args.eval_size is None:
-        args.eval_size = 128 if args.task == "code" else 256
+        args.eval_size = {"code": 128, "tools": 64}.get(args.task, 256)
     if args.quick:
         grid, args.grid_name = QUICK, "quick"
         args.eval_size, args.jobs = min(args.eval_size, 128), 2
@@ -174,14 +195,14 @@ def parse_args(argv=None):
             ap.error(f"--rows: {e}")
         grid, args.grid_name = Grid("custom", f"rows {args.rows}", rows), "custom"
     else:
-        grids = CODE_GRIDS if args.task == "code" else GRIDS
+        grids = TASK_GRIDS[args.task]
         if args.grid not in grids:
             ap.error(f"--grid {args.grid} is not a grid of --task {args.task}: {', '.join(grids)}")
         grid, args.grid_name = grids[args.grid], args.grid
     given = {k: getattr(args, k) for k in ("lr", "mu", "phases", "samples_per_update",
                                            "eval_every") if getattr(args, k) is not None}
     args.grid = replace(grid, **given)
-    args.policy = args.policy or str(CODE_POLICY if args.task == "code" else GRID_POLICY)
+    args.policy = args.policy or str(TASK_POLICIES[args.task])
     args.tag = args.tag if args.tag is not None else f"_{args.grid_name.replace('-', '_')}"
     results = ROOT / "benchmarks" / "results"
     args.out = args.out or str(results / f"paper_miniature{args.tag}.json")
@@ -253,7 +274,7 @@ def main(argv=None) -> int:
 
 
 def task_module(args):
-    return code_task if args.task == "code" else miniature_task
+    return {"code": code_task, "tools": tool_task}.get(args.task, miniature_task)
 
 
 def policy_fingerprint(args) -> str:
@@ -269,6 +290,12 @@ def policy_fingerprint(args) -> str:
                                                ct.sft_policy, ct.probe_score, mt.make_tokenizer,
                                                mt.sft_loss)]
         code.append(repr((ct.SHOWN, ct.HIDDEN, ct.MAX_NEW_TOKENS)))
+    if args.task == "tools":
+        tt = tool_task
+        code = [inspect.getsource(f) for f in (tt.make_problem, tt.write_splits, tt.make_tokenizer,
+                                               tt.sft_policy, tt.probe_score, tt._sample,
+                                               mt.make_tokenizer)]
+        code.append(repr((tt.LAYERS, tt.MAX_NEW_TOKENS, tt.CALL)))
     setting = json.dumps({"prompt": mt.PROMPT_TEMPLATE, "specials": mt.SPECIAL_TOKENS, "seed": 0,
                           "train": NUM_TRAIN, "eval": args.eval_size, "probe": NUM_PROBE,
                           "target": args.sft_target})

@@ -24,7 +24,7 @@ from mugrpo_megatron import outputs
 from mugrpo_megatron.config import Config, ParallelConfig
 from mugrpo_megatron.rewards import RewardScorer, RowInfo
 from mugrpo_megatron.rewards.scorer import describe_failures
-from mugrpo_megatron.trajectory import ToolSetup, model_text
+from mugrpo_megatron.trajectory import ToolSetup, model_text, tool_rows
 from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
 
 if TYPE_CHECKING:
@@ -160,8 +160,9 @@ def _result(per_prompt: list[list[float]], lengths: list[int], n: int, ks: Seque
 def evaluate(engine: RolloutEngine, scorer: RewardScorer, tokenizer, prompts: Sequence[Prompt],
              spec: SamplingSpec, ks: Sequence[int]) -> EvalResult:
     """``spec.n`` responses per prompt from one engine, scored with the training reward."""
-    return score_eval(engine.generate([p.token_ids for p in prompts], spec), prompts, scorer,
-                      tokenizer, ks)
+    extra = {"rows": lambda k: tool_rows(prompts[k])} if engine.takes_rows else {}
+    return score_eval(engine.generate([p.token_ids for p in prompts], spec, **extra), prompts,
+                      scorer, tokenizer, ks)
 
 
 def evaluate_checkpoint(cfg: Config, model: Path, *, data: list[str] | None, limit: int | None,

@@ -60,7 +60,7 @@ from mugrpo_megatron.phase.schedule import mixture_coverage
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
 from mugrpo_megatron.rewards.scorer import RewardFailed
-from mugrpo_megatron.trajectory import ToolSetup
+from mugrpo_megatron.trajectory import ToolSetup, tool_rows
 
 
 class Trainer:
@@ -366,7 +366,8 @@ class Trainer:
         specs = {name: set_sampling(self.cfg, name) for name in self.eval_sets}
         with self.handoff.learner_offloaded():
             self.engines.wake()
-            gens = {name: self.engines.generate([p.token_ids for p in prompts], specs[name])
+            gens = {name: self.engines.generate([p.token_ids for p in prompts], specs[name],
+                                                rows=[tool_rows(p) for p in prompts])
                     for name, prompts in self.eval_sets.items()}
             self.handoff.mark_memory("evaluate")
             self.engines.sleep()  # before the learner comes back to the device

@@ -8,7 +8,8 @@ import torch
 from test_objective import random_batch
 
 from mugrpo_megatron.config import AlgoConfig
-from mugrpo_megatron.objective import combine_metrics, ess_fractions, policy_loss
+from mugrpo_megatron.loss_metrics import combine_metrics, ess_fractions
+from mugrpo_megatron.objective import policy_loss
 from mugrpo_megatron.phase import AutoClip, ScheduleState
 
 GRID = (0.2, 0.5, 1.0, 2.0, 3.0, 4.0)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from test_objective import naive_keep, random_batch
 
+from mugrpo_megatron.loss_metrics import combine_metrics
 from mugrpo_megatron.objective import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
-    combine_metrics,
     group_advantages,
     kl_estimate,
     overlong_penalty,

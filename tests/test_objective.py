@@ -5,18 +5,15 @@ import math
 import pytest
 import torch
 
-from mugrpo_megatron.objective import (
+from mugrpo_megatron.loss_metrics import (
     LOSS_PARTS,
     METRIC_COUNTS,
     METRIC_WEIGHTS,
-    VETO_SCOPES,
     combine_metrics,
-    group_advantages,
     metric_sums,
     metrics_from_sums,
-    policy_loss,
-    veto_mask,
 )
+from mugrpo_megatron.objective import VETO_SCOPES, group_advantages, policy_loss, veto_mask
 
 
 def naive_group_advantages(rewards, group_size, eps=1e-6):

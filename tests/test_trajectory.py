@@ -3,6 +3,8 @@ tokens against the chat template's rendering of the whole conversation, the tool
 (the python tool in the sandbox, users' tools, every kind of bad call), and the tool tokens'
 place in the shards, the index and the loss's mask (the veto never triggered by one)."""
 
+import json
+
 import pytest
 import torch
 from reward_helpers import needs_bwrap
@@ -249,3 +251,19 @@ def test_a_tool_token_never_triggers_the_veto():
     _, m_all = policy_loss(logp, behav, adv, without, clip_low=1.0, clip_high=4.0,
                            veto_threshold=1e-4)
     assert m_all["num_kept_tokens"] == 3 < m_all["num_tokens"] == 7
+
+
+def test_verl_rows_tool_settings_are_found_in_the_metadata():
+    """verl's multi-turn rows keep per-row tool settings in ``extra_info.tools_kwargs``: read
+    through ``data.metadata_fields: [extra_info]`` or ``[extra_info.tools_kwargs]``."""
+    from mugrpo_megatron.trajectory import tool_rows
+    from mugrpo_megatron.types import Prompt
+
+    kwargs = {"lookup": {"create_kwargs": {"table": {"k": "v"}}}}
+
+    def prompt(meta):
+        return Prompt(0, "q", "a", (1,), metadata=json.dumps(meta) if meta else "")
+
+    assert tool_rows(prompt({"extra_info": {"index": 3, "tools_kwargs": kwargs}})) == kwargs
+    assert tool_rows(prompt({"extra_info.tools_kwargs": kwargs})) == kwargs
+    assert tool_rows(prompt({"extra_info": {"index": 3}})) == {} == tool_rows(prompt(None))

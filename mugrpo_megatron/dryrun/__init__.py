@@ -114,6 +114,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
            f"{ASSUMED_MFU:.0%} MFU of {DATASHEET_BF16 / 1e12:.0f} TFLOP/s on each of the "
            f"{world_size} GPUs (a third of a training pass over them)"]
           if e["reference_tokens"] else []),
+        *([trajectories(cfg)] if r.tools else []),
         f"learner update: at most {u['flops'] / 1e15:,.0f} PFLOP ({cfg.algo.samples_per_update}"
         f" sequences of {cfg.max_sequence_tokens:,} tokens, attention {u['attention_share']:.0%}"
         f" of a forward, recompute {cfg.model.recompute}), pipeline idle {u['bubble']:.0%} "
@@ -136,6 +137,22 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
                          "rollout.gpu_memory_utilization or rollout.tensor_parallel")
     lines.append("fits: yes")
     return "\n".join(lines)
+
+
+def trajectories(cfg: Config) -> str:
+    """What multi-turn rollouts add (``rollout.tools``), in words."""
+    r = cfg.rollout
+    messages = r.max_turns - 1
+    tool_tokens = messages * (r.tool_output_chars // 4 + 32)  # output, and the template's frame
+    share = tool_tokens / r.max_new_tokens
+    return (f"trajectories: tools {', '.join(r.tools)}; at most {r.max_turns} model turns in the "
+            f"{r.max_new_tokens:,} tokens after the prompt, tool messages included, so a sequence "
+            f"is still at most {cfg.max_sequence_tokens:,} tokens: up to {messages} tool messages, "
+            f"each's output cut to {r.tool_output_chars:,} characters (~{tool_tokens:,} tokens in "
+            f"all at 4 characters a token and ~32 of template each: {share:.0%} "
+            f"of the budget at most, the loss leaving them out); a "
+            f"trajectory waiting on its calls leaves the engine's running batch (its prefix kept "
+            f"in the prefix cache), {r.tool_workers} tool processes a replica run them")
 
 
 def plan(cfg: Config, world_size: int, gpus_per_node: int | None = None) -> str:

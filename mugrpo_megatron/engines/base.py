@@ -50,6 +50,9 @@ class RolloutEngine(abc.ABC):
     without a CPU backup): after it the engine holds no weights until ``update_weights``, and
     must not generate before. A sync overwrites them right after every wake in this loop, so
     a copy kept to the host and back would be moved for nothing."""
+    takes_rows: bool = False
+    """Whether ``generate`` and ``generate_stream`` take ``rows=`` (each prompt's settings for
+    the tools of a trajectory engine, ``trajectory.engine.ToolEngine``)."""
     max_running_sequences: int | None = None
     """The most sequences the engine runs at once (None: not known), which sizes the queue a
     replica keeps in it (``fleet.inflight_prompts``)."""

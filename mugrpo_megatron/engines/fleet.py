@@ -184,9 +184,10 @@ class EngineFleet:
         dist.broadcast_object_list(box, src=self._replica_leader, group=self._replica_group)
         return box[0]
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
-                 ) -> list[list[Generation]] | None:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                 rows: Sequence[dict] | None = None) -> list[list[Generation]] | None:
         """``sampling.n`` responses per prompt, in prompt order, on rank 0 (None on the others).
+        ``rows``: each prompt's tool settings (engines that sample trajectories).
 
         Every rank passes the same prompts. Prompt ``i`` is sampled with seed
         ``sampling.seed + i * sampling.n`` whichever replica serves it (on engines that seed per
@@ -200,8 +201,10 @@ class EngineFleet:
         with distributed.agreed(EngineFailed):
             if self.engine is not None:
                 mine = share(len(prompts), self.replica, self.num_replicas)
-                result = self.engine.generate(prompts[mine], sampling.from_position(mine.start)) \
-                    if mine.stop > mine.start else []
+                extra = {"rows": lambda k: rows[mine.start + k]} \
+                    if rows is not None and self.engine.takes_rows else {}
+                result = self.engine.generate(prompts[mine], sampling.from_position(mine.start),
+                                              **extra) if mine.stop > mine.start else []
         rank, world = distributed.world()
         if self.num_replicas == 1:
             return result if rank == 0 else None
@@ -220,7 +223,7 @@ class EngineFleet:
         return inflight_prompts(self.cfg, self.engine.streams, self.engine.max_running_sequences)
 
     def stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-               positions: Sequence[int]) -> Iterator[tuple[int, list[Generation]]]:
+               positions: Sequence[int], rows=None) -> Iterator[tuple[int, list[Generation]]]:
         """This rank's replica streams ``prompts`` (its share of a phase, at phase ``positions``)
         with ``queued`` of them in its engine at once, yielding ``(i, responses)`` as each group
         finishes; nothing on a rank without an engine. Not collective: the caller agrees on how

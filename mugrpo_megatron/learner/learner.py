@@ -59,8 +59,9 @@ from mugrpo_megatron.learner.model import (
     uses_transformer_engine,
 )
 from mugrpo_megatron.learner.offload import HostOffload, OffloadStats, ReferenceWeights
+from mugrpo_megatron.loss_metrics import metric_sums, metrics_from_sums
 from mugrpo_megatron.models.hf_config import read_model_spec
-from mugrpo_megatron.objective import metric_sums, metrics_from_sums, policy_loss
+from mugrpo_megatron.objective import policy_loss
 from mugrpo_megatron.types import TokenBatch, TrainBatch
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -429,7 +430,7 @@ class Learner:
     def _step_summary(self, results: list[dict]) -> tuple[dict[str, float], str]:
         """The update's metrics, combined over every microbatch and DP rank as if computed on the
         whole minibatch, and '' if its loss and every gradient are finite on every rank, else why
-        not. ``objective.metric_sums`` on the ranks that computed the loss (the last pipeline
+        not. ``loss_metrics.metric_sums`` on the ranks that computed the loss (the last pipeline
         stage, TP rank 0) and each rank's gradient check stay on the device; two all-reduces,
         then one read to the host: the update's only synchronisation of ours (megatron's
         gradient clipping reads the grad norm once more). Reading each value as it came was

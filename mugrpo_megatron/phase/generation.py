@@ -56,7 +56,7 @@ from mugrpo_megatron.phase.schedule import Phase
 from mugrpo_megatron.phase.store import Advantages, ScoredGroup, finalize, write_shard
 from mugrpo_megatron.rewards import PendingScores, RewardScorer, RowInfo
 from mugrpo_megatron.rewards.scorer import MAX_FAILURE_EXAMPLES, describe_failures
-from mugrpo_megatron.trajectory import model_text
+from mugrpo_megatron.trajectory import model_text, tool_rows
 from mugrpo_megatron.types import Generation, Prompt, SamplingSpec
 
 _MAX_PENDING_SHARDS = 4
@@ -163,8 +163,9 @@ def generate_phase(fleet: EngineFleet, directory: Path, phase: Phase, r: Rollout
                              counts, advantages) if fleet.is_leader else None
 
         def stream(positions: list[int]) -> None:
+            rows = (lambda i: tool_rows(prompts[index_of(positions[i])])) if r.tools else None
             for i, gens in fleet.stream(prompts.ids_view([index_of(p) for p in positions]),
-                                        sampling, positions=positions):
+                                        sampling, positions=positions, rows=rows):
                 if writer is not None and not failure.error:
                     # a failed write does not stop the engine: the other ranks of this
                     # replica's tensor-parallel group step with it until the share is done

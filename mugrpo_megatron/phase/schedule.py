@@ -29,7 +29,7 @@ import torch
 
 from mugrpo_megatron.config import AlgoConfig, Config
 from mugrpo_megatron.config.run import MIXTURE_BLOCK, source_name
-from mugrpo_megatron.objective import ess_fractions
+from mugrpo_megatron.loss_metrics import ess_fractions
 
 PLANNED_FROM = 2
 """A phase after the first generates for the longest of this many phases before it."""

@@ -15,6 +15,7 @@ engines. Light to import: the engine and the pool are imported where they are ma
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,19 @@ class ToolSetup:
         fmt = call_format(getattr(self.tokenizer, "chat_template", None), r.tool_format)
         return ToolEngine(engine, renderer, pool, call_format=fmt, max_turns=r.max_turns,
                           agree=agree)
+
+
+def tool_rows(prompt) -> dict:
+    """A prompt's per-row tool settings, verl's ``extra_info.tools_kwargs`` ({tool name:
+    {"create_kwargs": ..., "execute_kwargs": ...}}), found in its metadata (``data.
+    metadata_fields: [extra_info]``, or ``[extra_info.tools_kwargs]``); {} where it has none."""
+    if not prompt.metadata:
+        return {}
+    meta = json.loads(prompt.metadata)
+    found = meta.get("extra_info.tools_kwargs", meta.get("tools_kwargs"))
+    if found is None and isinstance(meta.get("extra_info"), dict):
+        found = meta["extra_info"].get("tools_kwargs")
+    return found if isinstance(found, dict) else {}
 
 
 def model_text(tokenizer, gen) -> str:

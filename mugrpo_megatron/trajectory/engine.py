@@ -73,6 +73,7 @@ class ToolEngine(RolloutEngine):
     leader's results through ``agree``)."""
 
     streams = True
+    takes_rows = True
 
     def __init__(self, inner: RolloutEngine, renderer: TurnRenderer, tools: ToolPool | None,
                  *, call_format: str, max_turns: int,
@@ -103,18 +104,21 @@ class ToolEngine(RolloutEngine):
             self.tools.close()
         self.inner.shutdown()
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec
-                 ) -> list[list[Generation]]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                 rows: Callable[[int], dict] | None = None) -> list[list[Generation]]:
         out: list[list[Generation]] = [[] for _ in prompts]
-        for i, group in self.generate_stream(prompts, sampling, list(range(len(prompts)))):
+        for i, group in self.generate_stream(prompts, sampling, list(range(len(prompts))),
+                                             rows=rows):
             out[i] = group
         return out
 
     def generate_stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                        positions: Sequence[int], max_in_flight: int = 0
+                        positions: Sequence[int], max_in_flight: int = 0,
+                        rows: Callable[[int], dict] | None = None
                         ) -> Iterator[tuple[int, list[Generation]]]:
         """The module docstring's loop over ``prompts`` (``max_in_flight`` of them at once),
-        yielding each prompt's G trajectories when its last one ends."""
+        yielding each prompt's G trajectories when its last one ends. ``rows(i)``: prompt
+        ``i``'s tool settings (``trajectory.tool_rows``), given to the tools that take them."""
         g = sampling.n
         turn = replace(sampling, n=1)
         window = max_in_flight or len(prompts)
@@ -155,7 +159,8 @@ class ToolEngine(RolloutEngine):
                 finished = self.inner.step_turns() if running else []
                 running -= len(finished)
                 for key, gen in finished:
-                    if self._took_turn(samples[key], gen, sampling.max_new_tokens):
+                    row = rows(key // g) if rows is not None and self.tools is not None else None
+                    if self._took_turn(samples[key], gen, sampling.max_new_tokens, row):
                         tooling.append(key)
                     else:
                         end(key, samples[key].finish)
@@ -175,7 +180,7 @@ class ToolEngine(RolloutEngine):
         finally:
             self.inner.abort_turns()
 
-    def _took_turn(self, s: _Sample, gen: Generation, budget: int) -> bool:
+    def _took_turn(self, s: _Sample, gen: Generation, budget: int, row: dict | None) -> bool:
         """Append a model turn; whether it called tools that will run (else ``s.finish`` says
         why it ended)."""
         s.tokens += gen.token_ids
@@ -193,7 +198,7 @@ class ToolEngine(RolloutEngine):
         if s.turns >= self.max_turns:
             s.finish = "turns"
             return False
-        s.pending = [(c, self.tools.submit(c) if self.tools is not None else None)
+        s.pending = [(c, self.tools.submit(c, row) if self.tools is not None else None)
                      for c in calls]
         return True
 
