@@ -1,10 +1,11 @@
 """End to end with tools: ``train`` with ``rollout.tools: [python]`` on a tiny policy taught to
 call the python tool (``models.tiny.teach_tool_calls``), through vLLM on CPU, the bubblewrap
-sandbox and the real learner, to the end; its trajectories in the shards token for token, and
-its metrics naming turns and tool calls per update and per phase."""
+sandbox and the real learner, SIGKILLed in the middle of its second phase's generation and
+resumed to the end; its trajectories in the shards token for token, the shards written before
+the kill kept, and its metrics naming turns and tool calls per update and per phase."""
 
 import pytest
-from helpers import records, run_until_done, train_command
+from helpers import assert_unchanged, kill_when_ready, mtimes, records, run_until_done, train_command
 from reward_helpers import needs_bwrap
 from transformers import AutoTokenizer
 
@@ -33,7 +34,16 @@ def run(tmp_path_factory):
             "data.instruction": "", "data.eval_path": "builtin:arithmetic", "data.eval_size": 4,
             "reward.name": "tests.tool_helpers:answered_42", "reward.num_workers": 1,
             "logging.run_dir": run_dir, "logging.progress": "false"}
+    phase1 = phase_dir(run_dir, 1)
+
+    def mid_phase() -> bool:  # one of phase 1's two shards written, the phase not indexed
+        return any(phase1.glob("shard_*.arrow")) and not (phase1 / "index.arrow").exists()
+
+    kill_when_ready(train_command(sets), d / "run.log", mid_phase)
+    kept = mtimes(phase1.glob("shard_*.arrow"))
+    assert len(kept) == 1 and not (phase1 / "index.arrow").exists()
     run_until_done(train_command(sets), d / "run.log")
+    assert_unchanged(kept)  # the resume generated only the groups not on disk
     return hf, run_dir
 
 
