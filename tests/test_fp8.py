@@ -115,8 +115,10 @@ def test_transformer_engine_is_used_only_when_its_pytorch_part_imports(tmp_path,
             fp8_kwargs(ModelConfig(dtype="bfloat16", fp8_format="hybrid"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert transformer_engine_ready() is False  # no GPU: megatron's local layers
+    # the fake package leaves for good (monkeypatch.delitem would put it back at teardown, and a
+    # later test's first import of megatron would then see a TE: attention.HAVE_TE True)
     for name in [m for m in sys.modules if m.startswith("transformer_engine")]:
-        monkeypatch.delitem(sys.modules, name)
+        sys.modules.pop(name)
 
 
 # ------------------------------------------------ FP8 extra state across a layout change on resume
