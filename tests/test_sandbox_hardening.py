@@ -154,6 +154,35 @@ def test_cpu_time_is_the_whole_trees():
     assert got.cpu_s < 4.0, got.cpu_s
 
 
+@needs_bwrap
+@needs_group
+def test_runs_from_two_threads_of_one_process_take_turns():
+    """A run's control group is its process's: a second thread's run starting while the first's
+    loop spins used to end that loop (the group's kill at a run's start) and the first's end
+    killed the second's program (a SandboxFusion stand-in serving requests on threads flaked so
+    in CI). Now each waits its turn: the loop runs out its wall clock, the print prints."""
+    import threading
+
+    spec = SandboxSpec(cpu_s=30.0, wall_s=2.0, memory_mb=256, processes=16)
+    got = {}
+
+    def sleeper():
+        start = time.monotonic()
+        got["loop"] = run_python(spec, {"m.py": "import time\nprint('up', flush=True)\n"
+                                                "time.sleep(60)"}, "m.py")
+        got["loop_s"] = time.monotonic() - start
+
+    loop = threading.Thread(target=sleeper)
+    loop.start()
+    time.sleep(0.8)  # the loop's run under way
+    got["print"] = run_python(spec, {"m.py": "print(6 * 7)"}, "m.py")
+    loop.join()
+    # its whole wall clock (before: ended by the print's start at ~0.8 s, and called a timeout)
+    assert got["loop_s"] >= spec.wall_s, got
+    assert got["loop"].status == "timeout" and got["loop"].stdout == "up\n", got["loop"]
+    assert got["print"].status == "ok" and got["print"].stdout == "42\n", got["print"]
+
+
 CALLS = json.dumps({"fn_name": "f", "inputs": [[1], [2]], "outputs": [1, 2]})
 
 

@@ -38,6 +38,11 @@ sandbox's init with it, and with that init the kernel ends every process of its 
 (a detached, re-parented or ``setsid`` child included). The host directory holding the program
 and the run's group are removed after each run; those a killed worker left are removed at the
 next start (``remove_orphans``).
+
+One run at a time a process: the run's control group and its user id are the process's, so a
+run's start would end another's tree. Threads of one process (a service serving requests on
+threads) take their turns (``_one_run``); the scoring and tool workers are processes, one run
+each at a time, and run side by side.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +80,16 @@ def run_python(spec: SandboxSpec, files: dict[str, str], main: str, stdin: str =
     if spec.mode not in (OS_SANDBOX, UNSAFE):
         raise SandboxUnavailable(f"reward.sandbox: {spec.mode!r} runs nothing here: use "
                                  f"{OS_SANDBOX!r}, {UNSAFE!r} or a SandboxFusion URL")
+    with _one_run:
+        return _run_here(spec, files, main, stdin, args)
+
+
+_one_run = threading.Lock()
+"""Held over a run in this process (see the module's docstring)."""
+
+
+def _run_here(spec: SandboxSpec, files: dict[str, str], main: str, stdin: str,
+              args: tuple[str, ...]) -> RunResult:
     global _cleaned
     if not _cleaned:  # a worker replacing a killed one removes what that one left
         _cleaned = True
