@@ -48,6 +48,7 @@ def read_run(run_dir: Path) -> dict:
             "phase_updates": [p["updates"] for p in phases],
             "phase_ends": [p["end"] for p in phases],
             "phase_reward": [p["reward_mean"] for p in phases],
+            "phase_tool_call_frac": [p.get("tool_call_response_frac", 0.0) for p in phases],
             "passes": statistics.mean(p.get("passes", 0.0) for p in phases),
             "unused_frac": statistics.mean(p.get("unused_frac", 0.0) for p in phases),
             "uniform_frac": statistics.mean(p["uniform_group_frac"] for p in phases),
@@ -201,11 +202,14 @@ def markdown_section(args, sft: dict, table: str, grid_seconds: float, cmd: str,
                      root: Path) -> str:
     g = args.grid
     by_k = ", ".join(f"{k} operands {v:.2f}" for k, v in sft.get("probe_by_operands", {}).items())
-    code = getattr(args, "task", "math") == "code"
-    task = ("`benchmarks/code_task.py` (programs run in the sandbox by `reward.name: code`)"
-            if code else "`benchmarks/miniature_task.py`")
-    probe = (f"probe score {sft['probe_pass_rate']:.2f} (mean share of hidden cases passed)"
-             if code else f"probe pass rate {sft['probe_pass_rate']:.2f}: {by_k}")
+    kind = getattr(args, "task", "math")
+    task = {"code": "`benchmarks/code_task.py` (programs run in the sandbox by `reward.name: code`)",
+            "tools": "`benchmarks/tool_task.py` (the python tool runs in the code reward's sandbox)",
+            }.get(kind, "`benchmarks/miniature_task.py`")
+    probe = {"code": f"probe score {sft['probe_pass_rate']:.2f} (mean share of hidden cases "
+                     "passed)",
+             "tools": f"sampled probe accuracy {sft['probe_pass_rate']:.2f} with the tool",
+             }.get(kind, f"probe pass rate {sft['probe_pass_rate']:.2f}: {by_k}")
     plot_rel = os.path.relpath(args.plot, root / "benchmarks")
     out_rel = os.path.relpath(args.out, root)
     return f"""## Mu-GRPO in miniature, grid `{args.grid_name}`: {g.what} (`benchmarks/paper_miniature.py`)
