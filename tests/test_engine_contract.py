@@ -296,3 +296,40 @@ def test_trainer_end_to_end_with_sglang(tmp_path, nodes):
         assert p["engine_replicas"] == nodes and p["generated_groups"] == 8, p
     assert sum(r["kind"] == "update" for r in recs) == 6
     assert (tmp_path / "run" / "report.md").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed here")
+def test_trajectories_with_the_python_tool_through_sglang(tmp_path):
+    """SGLang's turn path (``SGLangEngine.step_turns``: the turns waiting at a step as one batch)
+    under the trainer: a policy taught to call the python tool (``models.tiny.
+    teach_tool_calls``) trains two phases with ``rollout.tools: [python]`` in the bubblewrap
+    sandbox, its phases naming turns and tool calls, the tool messages' tokens out of the loss;
+    vLLM's counterpart is tests/test_tool_rollouts.py."""
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("bwrap") is None:
+        pytest.skip("the python tool runs in bubblewrap")
+    from mugrpo_megatron.models.tiny import teach_tool_calls
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", "qwen2", seed=3)
+    teach_tool_calls(hf, [f"What is {a} + {b}?" for a in range(6) for b in range(4)])
+    sets = {"model.path": hf, "model.dtype": "float32", "rollout.engine": "sglang",
+            "rollout.tools": "[python]", "rollout.max_turns": 3, "rollout.max_new_tokens": 120,
+            "rollout.group_size": 4, "rollout.tool_workers": 2, "algo.total_updates": 4,
+            "algo.updates_per_phase": 2, "algo.prompts_per_phase": 4,
+            "algo.samples_per_update": 8, "parallel.micro_batch_size": 4, "optim.lr": 1e-4,
+            "data.num_arithmetic_problems": 32, "data.max_prompt_tokens": 400,
+            "data.instruction": "", "reward.name": "tests.tool_helpers:answered_42",
+            "reward.num_workers": 1, "logging.run_dir": tmp_path / "run",
+            "logging.progress": "false"}
+    proc = subprocess.run(cli_under_torchrun(1, "train", *set_args(sets)), cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    phases = [r for r in records(tmp_path / "run") if r["kind"] == "phase"]
+    assert len(phases) == 2
+    for p in phases:  # the taught policy calls the tool nearly every time, answers after it
+        assert p["tool_calls"] > 0.5 and p["turns"] > 1.5 and 0 < p["tool_token_frac"] < 0.5, p
+        assert p["reward_mean"] > 0.3 and p["logprob_gap_max"] < 1e-4, p
