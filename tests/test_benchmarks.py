@@ -198,9 +198,9 @@ def test_time_to_accuracy_quick_times_both_runs_of_a_pair(tmp_path):
                     reason="bubblewrap is not installed (scripts/setup_env.sh does it)")
 def test_code_sandbox_quick_scores_the_same_work_every_way(tmp_path):
     """benchmarks/code_sandbox.py --quick: the same programs (standard-input and function-call
-    rows) scored without isolation and in the sandbox at 2 and 8 workers; the script exits
-    non-zero unless every way scores them alike and none fails (programs a second are printed,
-    not asserted)."""
+    rows) scored without isolation and in the sandbox, 2 workers each (the full run adds 8);
+    the script exits non-zero unless every way scores them alike and none fails (programs a
+    second are printed, not asserted)."""
     out = tmp_path / "cs.json"
     proc = subprocess.run([sys.executable, "benchmarks/code_sandbox.py", "--quick", "--out",
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -208,7 +208,7 @@ def test_code_sandbox_quick_scores_the_same_work_every_way(tmp_path):
     r = json.loads(out.read_text())
     assert [(x["layout"], x["mode"], x["workers"]) for x in r["results"]] == [
         (layout, mode, workers) for layout in ("stdin", "calls")
-        for mode, workers in (("unsafe", 2), ("bwrap", 2), ("bwrap", 8))]
+        for mode, workers in (("unsafe", 2), ("bwrap", 2))]
     assert 0 < r["results"][0]["mean_reward"] < 1  # right, wrong, raising and missing programs
     assert "programs/s" in proc.stdout
 
