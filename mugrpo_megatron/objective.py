@@ -214,6 +214,7 @@ def policy_loss(
     kl_estimator: str = "k3",
     ref_logp: torch.Tensor | None = None,
     split: chunked.SequenceSplit | None = None,
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped importance-sampled policy loss against stored behaviour log-probs, with the veto,
     and the optional KL and entropy terms.
@@ -246,6 +247,9 @@ def policy_loss(
     positive-advantage tokens of w = min(rho, 1 + eps) and of w^2 (``ess_capped_mean_i``,
     ``ess_capped_sq_mean_i`` over ``num_ess_tokens``), from which ``ess_fractions`` gives the
     update's effective sample size under each candidate clip.
+
+    ``is_weight`` (``algo.rollout_is``): a constant per-token weight on the policy term, w *
+    surrogate (``rollout_correction``: TIS from the engine's sampling to the behaviour policy).
 
     ``split`` (context parallelism): the tensors are this rank's columns of the rows, the rest
     on the other ranks of the split; the veto's first trigger, a response's token count
@@ -280,7 +284,8 @@ def policy_loss(
     def aggregated(per_token: torch.Tensor) -> torch.Tensor:
         return aggregate(per_token, keep_bt, weight_b1, denom, loss_agg)
 
-    pg_loss = -aggregated(surrogate_bt)
+    pg_loss = -aggregated(surrogate_bt if is_weight is None else
+                          surrogate_bt * is_weight.detach().to(logp.dtype))
     loss = pg_loss
     kl_bt = kl_loss = entropy_loss = None
     zero = torch.zeros_like(surrogate_bt)

@@ -60,6 +60,7 @@ from mugrpo_megatron.phase.schedule import mixture_coverage
 from mugrpo_megatron.progress import Progress
 from mugrpo_megatron.rewards import RewardScorer
 from mugrpo_megatron.rewards.scorer import RewardFailed
+from mugrpo_megatron.rollout_correction import Correction
 from mugrpo_megatron.trajectory import ToolSetup, tool_rows
 
 
@@ -75,10 +76,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg)
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.progress = Progress(enabled=self.rank0 and cfg.logging.progress)
-        # the data first, before megatron's groups, the model and the engines: the held-out
-        # sets on every rank; the training prompts tokenized once, by rank 0 (``inputs.
-        # prepare_data`` did it before any process group, beside the run directory) and moved
-        # into it, every rank reading them from there as a phase needs them (collective)
+        # the data before megatron's groups, model and engines: held-out sets on every rank; the
+        # prompts rank 0 tokenized (``inputs.prepare_data``), read by all as phases need them
         self.eval_sets = {name: prompts for name, (prompts, _) in
                           load_eval_sets(cfg.data, self.tokenizer).items()}
         self.prompts = open_prompt_set(
@@ -123,8 +122,7 @@ class Trainer:
         # setting that is (gloo's timeouts are named by the train command itself)
         self.progress.note(f"rollout: {self.engines.describe()}; every collective times out "
                            f"after parallel.timeout_minutes = {cfg.parallel.timeout_minutes:g}")
-        # a reward pool beside each replica's leader (global rank 0 leads replica 0 and also
-        # scores the held-out set)
+        # a reward pool beside each replica's leader (rank 0's also scores the held-out sets)
         self.scorer = RewardScorer(cfg.reward) if self.engines.is_leader else None
         self._packing_checked = False
         self.start_update = 0
@@ -240,16 +238,18 @@ class Trainer:
         before its first update (its weights are still the ones the engine sampled from); rank 0
         writes the log-probs beside the shards, and the phase's ratios divide by them. A resume
         finds them there (``phase.checks.score_behaviour``)."""
+        correction = Correction.of(self.cfg.algo)
         if not on_rank0(data.has_learner_logprobs):
             if self.start_update > phase.first_update:
                 raise RunFailed(f"phase {phase.index}: the learner's behaviour log-probs are "
                                 f"missing in {data.directory}, and the learner has trained past "
                                 f"the phase's start, so they cannot be computed again")
             t0 = time.perf_counter()
-            rec.set_gap("behaviour_gap", score_behaviour(
-                self.learner, data, self.cfg.algo.samples_per_update, write=self.rank0))
+            gap, rec.rollout_correction = score_behaviour(
+                self.learner, data, self.cfg.algo.samples_per_update, self.rank0, correction)
+            rec.set_gap("behaviour_gap", gap)
             rec.behaviour_seconds = time.perf_counter() - t0
-        data.use_learner_logprobs()
+        data.use_learner_logprobs(correction)
 
     def check(self, data: PhaseData, rec: PhaseRecord) -> None:
         """A few of the engine's own samples scored by the learner: the train/inference gap

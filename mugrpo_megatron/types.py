@@ -151,3 +151,6 @@ class TrainBatch(TokenBatch):
     ref_logp: torch.Tensor | None = None
     """[B, S] float: a reference policy's log-prob of each response token (0 elsewhere), for
     ``algo.kl_target: reference``; None without a KL term to a reference."""
+    is_weight: torch.Tensor | None = None
+    """[B, S] float: each response token's importance weight from the engine's sampling to the
+    behaviour policy (``algo.rollout_is``: ``rollout_correction``; 1 elsewhere); None: 1."""

@@ -37,8 +37,13 @@ def make_batch(path: Path, *, vocab: int = 380, batch: int = 8, seq: int = 24, s
     advantages = torch.randn(batch, generator=g)
     # a reference policy's log-probs, near the behaviour's (KL terms to a reference)
     ref = torch.where(resp, behav + torch.randn(batch, seq, generator=g), torch.zeros(batch, seq))
+    # importance weights from an engine's sampling (algo.rollout_is): every layout must carry
+    # each token's own to its loss (1 outside responses)
+    weight = torch.where(resp, 0.25 + 1.75 * torch.rand(batch, seq, generator=g),
+                         torch.ones(batch, seq))
     save_file({"tokens": tokens, "response_mask": resp.to(torch.uint8), "behav_logp": behav,
-               "advantages": advantages, "nan_behav": nan, "ref_logp": ref}, str(path))
+               "advantages": advantages, "nan_behav": nan, "ref_logp": ref,
+               "is_weight": weight}, str(path))
     return path
 
 

@@ -194,7 +194,8 @@ def hf_reference(hf_dir, batch_path, **terms):
     entropy = torch.zeros(tokens.shape)  # of the distribution each token was drawn from
     entropy[:, 1:] = -(log_softmax.exp() * log_softmax).sum(-1)
     loss, _ = policy_loss(logp, b["behav_logp"], b["advantages"], resp, clip_low=0.2, clip_high=0.28,
-                          veto_threshold=1e-4, entropy=entropy, ref_logp=b["ref_logp"], **terms)
+                          veto_threshold=1e-4, entropy=entropy, ref_logp=b["ref_logp"],
+                          is_weight=b["is_weight"], **terms)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))

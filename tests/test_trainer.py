@@ -185,16 +185,22 @@ def test_behaviour_from_the_learner_and_uniform_groups_dropped_once(setup):
     within the fp32 gap over every response token (the phase log's behaviour_gap). And
     algo.uniform_groups: drop_once: the passes the phase log states are what its updates took
     (their samples over the phase's train samples), one at most unless fewer train samples are
-    left than mu updates of one quantum (DP 1 x micro-batch 4) need."""
+    left than mu updates of one quantum (DP 1 x micro-batch 4) need. With the engine's sampling
+    corrected toward them (algo.rollout_is token TIS, algo.rollout_rs geometric MIS at 1.001):
+    at fp32's gap every weight is ~1 and nothing is rejected, as each phase record says."""
     d, hf, _ = setup
     run = d / "learner_behaviour"
     run_to_end(hf, run, {"algo.behaviour_logprobs": "learner", "algo.uniform_groups": "drop_once",
-                         **PHASE_END_SAVES})
+                         "algo.rollout_is": "token", "algo.rollout_rs": "geometric",
+                         "algo.rollout_rs_threshold": 1.001, **PHASE_END_SAVES})
     recs = records(run)
     phases = [r for r in recs if r["kind"] == "phase"]
     assert [p["phase"] for p in phases] == [0, 1, 2]
     for p in phases:
         assert p["behaviour_gap_max"] < 1e-4 and p["behaviour_seconds"] > 0, p
+        fixed = p["rollout_correction"]
+        assert fixed["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4), fixed
+        assert fixed["rollout_rs_token_frac"] == fixed["rollout_is_truncated_frac"] == 0, fixed
         assert (run / "rollouts" / f"phase_{p['phase']:04d}" / "behaviour_learner.arrow").exists()
         took = sum(u["samples"] for u in recs if u["kind"] == "update"
                    and u["phase"] == p["phase"])

@@ -167,6 +167,25 @@ class AlgoConfig(Section):
     the phase's tokens, about a third of a training pass over them. On GPUs in bf16, or with an
     FP8 engine, the two differ by 1e-3 or more a token, which moves ratios near the veto's
     trigger; the phase log has that gap over every token, and the seconds the pass took."""
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Truncated importance sampling (TIS) from the engine's sampling to the learner's behaviour
+    policy, with behaviour_logprobs: learner (verl algorithm.rollout_correction.rollout_is):
+    each kept token's clipped surrogate times min(pi_old / pi_rollout, rollout_is_threshold),
+    that ratio per token ('token') or its product over the response ('sequence'). A constant
+    of the phase. null: off. See ``rollout_correction`` and README, 'The objective'."""
+    rollout_is_threshold: float = 2.0
+    """TIS's truncation C (verl rollout_is_threshold; its typical 1.5-5 a token, 2-10 a
+    sequence)."""
+    rollout_rs: Literal["token", "sequence", "geometric"] | None = None
+    """Masked importance sampling (MIS: rejection), with behaviour_logprobs: learner (verl
+    rollout_rs): a token ('token'), or a whole response ('sequence': the product of its
+    pi_old / pi_rollout; 'geometric': their geometric mean), whose ratio is outside
+    [rollout_rs_threshold_lower, rollout_rs_threshold] leaves the loss and its counts.
+    null: off."""
+    rollout_rs_threshold: float = 2.0
+    """MIS's upper bound U (verl rollout_rs_threshold; 'geometric' wants ~1.0002-1.001)."""
+    rollout_rs_threshold_lower: float | None = None
+    """MIS's lower bound (verl rollout_rs_threshold_lower); null: 1 / rollout_rs_threshold."""
     seed: int = 1234
     """Seed for prompt order, minibatch shuffling and the learner's initialisation."""
 
@@ -190,6 +209,22 @@ class AlgoConfig(Section):
             self._fail("clip_high_auto_grid", "must be 1 to 8 increasing values > 0")
         if not 0 < self.clip_high_auto_ess <= 1:
             self._fail("clip_high_auto_ess", "must be in (0, 1]")
+
+    def _check_rollout_correction(self) -> None:
+        for key, levels in (("rollout_is", ("token", "sequence")),
+                            ("rollout_rs", ("token", "sequence", "geometric"))):
+            if getattr(self, key) is not None and getattr(self, key) not in levels:
+                self._fail(key, f"must be one of {list(levels)} or null")
+            if getattr(self, key) is not None and self.behaviour_logprobs != "learner":
+                self._fail(key, "corrects the engine's sampling toward the learner's behaviour "
+                                "log-probs, and needs algo.behaviour_logprobs: learner; with "
+                                "'engine' the ratios divide by the engine's log-probs already "
+                                "(verl's bypass mode): the clip and the veto bound them")
+        self._positive("rollout_is_threshold", "rollout_rs_threshold")
+        lower = self.rollout_rs_threshold_lower
+        if lower is not None and not 0 < lower < self.rollout_rs_threshold:
+            self._fail("rollout_rs_threshold_lower", f"must be in (0, algo.rollout_rs_threshold"
+                                                     f" = {self.rollout_rs_threshold:g}) or null")
 
     def __post_init__(self) -> None:
         self._positive("total_updates", "updates_per_phase", "prompts_per_phase",
@@ -218,6 +253,7 @@ class AlgoConfig(Section):
             self._fail("kl_estimator", f"must be one of {list(KL_ESTIMATORS)}")
         if self.loss_agg_norm is not None:
             self._positive("loss_agg_norm")
+        self._check_rollout_correction()
         if self.max_drift is not None:
             self._positive("max_drift")
             if self.min_phase_updates > self.updates_per_phase:

@@ -400,7 +400,8 @@ class Learner:
             loss, metrics = self.loss(
                 per_sequence(mb, logp), behav, mb.advantages.to(device), mb.loss_mask.to(device),
                 num_tokens=counts[0], num_sequences=counts[1], entropy=per_sequence(mb, entropy),
-                ref_logp=ref.to(device) if ref is not None else None, split=mb.split, **clip)
+                ref_logp=ref.to(device) if ref is not None else None, split=mb.split,
+                is_weight=mb.is_weight.to(device) if mb.is_weight is not None else None, **clip)
             metrics["loss"] = loss.detach().float()
             return loss * scale, metrics
 

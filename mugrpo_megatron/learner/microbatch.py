@@ -35,9 +35,14 @@ class MicroBatch:
     loss_mask: torch.Tensor     # [b, L] next token is a response token
     behav_logp: torch.Tensor | None = None  # [b, L]
     ref_logp: torch.Tensor | None = None  # [b, L]: a reference policy's (algo.kl_target)
+    is_weight: torch.Tensor | None = None  # [b, L]: importance weights (algo.rollout_is)
     advantages: torch.Tensor | None = None  # [b]
     packed: PackedRow | None = None
     split: SequenceSplit | None = None  # context parallel: these are this rank's columns
+
+
+PER_TOKEN = ("loss_mask", "behav_logp", "ref_logp", "is_weight")
+"""A microbatch's per-token tensors besides its inputs: cut alike by a context-parallel split."""
 
 
 def split_columns(mb: MicroBatch, split: SequenceSplit) -> MicroBatch:
@@ -45,8 +50,7 @@ def split_columns(mb: MicroBatch, split: SequenceSplit) -> MicroBatch:
     alike (``learner.context.ChunkSplit``), the labels and masks next-aligned before the cut."""
     take = split.take  # type: ignore[attr-defined]
     cut = {name: take(getattr(mb, name)) for name in ("tokens", "position_ids", "labels",
-                                                       "loss_mask", "behav_logp", "ref_logp")
-           if getattr(mb, name) is not None}
+                                                       *PER_TOKEN) if getattr(mb, name) is not None}
     return replace(mb, **cut, split=split)
 
 
@@ -55,7 +59,7 @@ def split_packed_columns(mb: MicroBatch, split) -> MicroBatch:
     PackedChunkSplit``): the row's tensors at its columns, the per-sequence ones in the share's
     ``[n, 2 W]`` layout."""
     share = split.share
-    cut = {name: share.take(getattr(mb, name)) for name in ("loss_mask", "behav_logp", "ref_logp")
+    cut = {name: share.take(getattr(mb, name)) for name in PER_TOKEN
            if getattr(mb, name) is not None}
     cut["loss_mask"] = cut["loss_mask"] & share.row.valid
     return replace(mb, **cut, tokens=share.row.tokens, position_ids=share.row.position_ids,
@@ -92,6 +96,8 @@ def right_padded(batch: TokenBatch, seq: int) -> TokenBatch:
         extra["behav_logp"] = pad(batch.behav_logp)
         if batch.ref_logp is not None:
             extra["ref_logp"] = pad(batch.ref_logp)
+        if batch.is_weight is not None:
+            extra["is_weight"] = pad(batch.is_weight, value=1.0)
     return replace(batch, tokens=pad(batch.tokens), response_mask=pad(batch.response_mask),
                    **extra)
 
@@ -109,18 +115,21 @@ def build_microbatches(batch: TokenBatch, rows: slice, *, micro_batch_size: int,
     ``equal_count(bins)`` of them at least (empty ``filler`` ones after: the learner's
     ``_equal_count``, the most any rank of the data-parallel group packed), each sequence
     starting at a multiple of ``align`` (context parallelism: 2 x CP). ``train`` adds the
-    behaviour log-probs and advantages, ``with_ref`` the reference log-probs."""
+    behaviour log-probs, advantages and importance weights, ``with_ref`` the reference log-probs."""
     seq = batch.tokens.shape[1]
     labels = next_aligned(batch.tokens)
     loss_mask = next_aligned(batch.response_mask.bool())
     behav = next_aligned(batch.behav_logp.float()) if train else None
     ref = next_aligned(batch.ref_logp.float()) if with_ref else None
+    weight = next_aligned(batch.is_weight.float()) \
+        if train and batch.is_weight is not None else None  # a filler has none: no loss
 
     def per_row(idx, width: int | None = None) -> dict:
         """The per-sequence fields of rows ``idx`` (cut to ``width`` columns when packed)."""
         cut = (lambda t: t[idx]) if width is None else (lambda t: t[idx, :width])
         return dict(rows=idx, behav_logp=cut(behav) if behav is not None else None,
                     ref_logp=cut(ref) if ref is not None else None,
+                    is_weight=cut(weight) if weight is not None else None,
                     advantages=batch.advantages[idx].float() if train else None)
 
     if not capacity:

@@ -24,6 +24,7 @@ from mugrpo_megatron.phase.data import (
     LearnerLogprobWriter,
     PhaseData,
 )
+from mugrpo_megatron.rollout_correction import Correction, CorrectionStats, correct
 
 PACKING_CHECK_ROWS = 8
 """Rows of a phase scored both packed and padded at a run's first mismatch check."""
@@ -91,12 +92,24 @@ def check_packing(learner, data: PhaseData, cfg: Config) -> LogprobGap:
     return diff
 
 
-def score_behaviour(learner, data: PhaseData, chunk: int, write: bool) -> LogprobGap:
+def score_behaviour(learner, data: PhaseData, chunk: int, write: bool,
+                    correction: Correction | None = None
+                    ) -> tuple[LogprobGap, dict[str, float] | None]:
     """The learner's log-prob of every response token of the phase (``BEHAVIOUR_FILE``), with its
     weights as they are (the ones the engine sampled from, before the phase's first update):
-    ``score_phase``."""
-    return score_phase(lambda batch: learner.logprobs(batch)[0], learner.layout.dp_size, data,
-                       chunk, write, BEHAVIOUR_FILE, "the learner's behaviour log-probs")
+    ``score_phase``. With a ``correction`` (``algo.rollout_is`` / ``rollout_rs``), its numbers
+    over every token too (``CorrectionStats.record``), from the log-probs the pass has in hand."""
+    stats = CorrectionStats() if correction is not None else None
+
+    def measure(batch, logp, n: int) -> None:
+        mask = batch.response_mask[:n]
+        weight, keep = correct(logp[:n], batch.behav_logp[:n], mask, correction)
+        stats.add(mask, weight, keep, correction)
+
+    gap = score_phase(lambda batch: learner.logprobs(batch)[0], learner.layout.dp_size, data,
+                      chunk, write, BEHAVIOUR_FILE, "the learner's behaviour log-probs",
+                      each=measure if stats is not None else None)
+    return gap, stats.record() if stats is not None else None
 
 
 def score_reference(learner, data: PhaseData, chunk: int, write: bool) -> LogprobGap:
@@ -110,7 +123,7 @@ def score_reference(learner, data: PhaseData, chunk: int, write: bool) -> Logpro
 
 
 def score_phase(score, dp: int, data: PhaseData, chunk: int, write: bool, name: str,
-                what: str) -> LogprobGap:
+                what: str, each=None) -> LogprobGap:
     """``score(batch)``'s log-prob of every response token of the phase, ``chunk`` rows at a
     time, written beside the shards as ``name`` by the rank with ``write``
     (``phase.data.LearnerLogprobWriter``). Returns the gap to the engine's log-probs over every
@@ -130,6 +143,8 @@ def score_phase(score, dp: int, data: PhaseData, chunk: int, write: bool, name: 
             batch = data.batch(padded, engine_logprobs=True)
             logp = score(batch)
             gap = gap + logprob_gap(logp, batch, rows=len(rows))
+            if each is not None:  # (batch, log-probs, its rows that are the chunk's)
+                each(batch, logp, len(rows))
             mask = batch.response_mask
             if writer is not None and not failure.error:
                 with failure.kept():  # the writer keeps scoring in step with the others

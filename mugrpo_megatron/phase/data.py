@@ -13,7 +13,7 @@ import json
 import os
 import resource
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ from mugrpo_megatron.arrow_files import AtomicFile, buffer_positions, list_colum
 from mugrpo_megatron.phase.batches import padded_batch
 from mugrpo_megatron.phase.schedule import Minibatch, Phase, PhaseScheduler
 from mugrpo_megatron.phase.store import column, open_table
+from mugrpo_megatron.rollout_correction import Correction, correct
 from mugrpo_megatron.types import TrainBatch
 
 
@@ -220,14 +221,17 @@ class PhaseData:
         """Rows drawn, repeats counted (the passes made: ``draws / len(train_rows)``)."""
         self._learner: _LogprobFile | None = None
         self._reference: _LogprobFile | None = None
+        self._correction: Correction | None = None
 
     def has_learner_logprobs(self) -> bool:
         return (self.directory / BEHAVIOUR_FILE).exists()
 
-    def use_learner_logprobs(self) -> None:
+    def use_learner_logprobs(self, correction: Correction | None = None) -> None:
         """From now on ``batch`` gives the learner's behaviour log-probs (``BEHAVIOUR_FILE``)
-        instead of the engine's."""
+        instead of the engine's, corrected for the engine's sampling by ``correction``
+        (``algo.rollout_is`` / ``rollout_rs``: ``rollout_correction``)."""
         self._learner = _LogprobFile(self.directory / BEHAVIOUR_FILE, self.num_samples)
+        self._correction = correction
 
     def has_reference_logprobs(self) -> bool:
         return (self.directory / REFERENCE_FILE).exists()
@@ -316,8 +320,13 @@ class PhaseData:
         engine's always. After ``use_reference_logprobs`` the batch carries the reference's."""
         rows = np.asarray(rows, dtype=np.int64)
         learner = None if engine_logprobs else self._learner
+        correct_it = learner is not None and self._correction is not None
+        if learner is None or correct_it:
+            engine = [self.response(int(i)) for i in rows]
         if learner is None:
-            picked = [self.response(int(i)) for i in rows]
+            picked = engine
+        elif correct_it:
+            picked = [(p, r, learner.row(int(i))) for (p, r, _), i in zip(engine, rows)]
         else:
             picked = [(*self.shards[self.shard[i]].tokens(int(self.row[i])), learner.row(int(i)))
                       for i in rows]
@@ -325,8 +334,14 @@ class PhaseData:
             not engine_logprobs else None
         spans = [self.shards[self.shard[i]].spans(int(self.row[i])) for i in rows] \
             if self.has_tools else None
-        return padded_batch(picked, self.advantage[rows], self.pad_id, multiple_of,
-                            ref_logprobs=ref, tool_spans=spans)
+        batch = padded_batch(picked, self.advantage[rows], self.pad_id, multiple_of,
+                             ref_logprobs=ref, tool_spans=spans)
+        if not correct_it:
+            return batch
+        rollout = padded_batch(engine, self.advantage[rows], self.pad_id, multiple_of)
+        weight, keep = correct(batch.behav_logp, rollout.behav_logp, batch.response_mask,
+                               self._correction)
+        return replace(batch, response_mask=keep, is_weight=weight)
 
     def trajectory_stats(self, rows: np.ndarray) -> dict:
         """The trajectories of phase rows ``rows`` in numbers (none without tool calls): model

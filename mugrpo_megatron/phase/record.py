@@ -61,6 +61,10 @@ class PhaseRecord:
     behaviour_seconds: float | None = None
     behaviour_gap_mean: float | None = None
     behaviour_gap_max: float | None = None
+    rollout_correction: dict[str, float] | None = None
+    """The correction of the engine's sampling over the phase's tokens (``algo.rollout_is`` /
+    ``rollout_rs``, measured in the behaviour pass: ``rollout_correction.CorrectionStats``): the
+    mean TIS weight and its truncated share, the shares of tokens and responses MIS rejected."""
     reference_seconds: float | None = None
     """The reference policy's pass over the phase's tokens (``algo.kl_target: reference``)."""
     reference_swaps: int | None = None

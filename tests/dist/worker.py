@@ -6,8 +6,8 @@ python -m torch.distributed.run --nproc_per_node N tests/dist/worker.py HF_DIR B
 JOBS is a JSON file: a list of {"out": DIR, "overrides": [KEY=VALUE, ...], "offload": bool}, each
 a layout of N ranks. Between jobs megatron's parallel state is torn down and made again for the
 next layout (the default process group stays). BATCH is a safetensors file with tokens,
-response_mask, behav_logp, advantages and nan_behav (a copy of behav_logp with a NaN, whose step
-must be skipped). Each OUT gets tensors.safetensors (log-probs and entropy before the updates,
+response_mask, behav_logp, advantages, ref_logp, is_weight (importance weights, ``algo.rollout_is``)
+and nan_behav (a copy of behav_logp with a NaN, whose step must be skipped). Each OUT gets tensors.safetensors (log-probs and entropy before the updates,
 log-probs after, logits at TP1), weights.safetensors and grads.safetensors (HF-named, after the
 first update) and result.json (the step results). The last update takes only this data-parallel
 rank's rows (``train_step(dp_local=True)``, as the trainer gives them). With "offload" the learner
@@ -94,7 +94,7 @@ def dp_share(learner, batch: TrainBatch) -> TrainBatch:
         return out
 
     return TrainBatch(cut(batch.tokens), cut(batch.response_mask), cut(batch.behav_logp),
-                      batch.advantages[rows], cut(batch.ref_logp))
+                      batch.advantages[rows], cut(batch.ref_logp), cut(batch.is_weight))
 
 
 GEMMS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -137,7 +137,7 @@ def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
     gemm_inputs = record_gemm_inputs(learner)
     b = load_file(batch_path)
     batch = TrainBatch(b["tokens"], b["response_mask"].bool(), b["behav_logp"], b["advantages"],
-                       b["ref_logp"])
+                       b["ref_logp"], b["is_weight"])
     tensors = {}
     if torch.distributed.get_world_size() == 1:
         pos = torch.arange(batch.tokens.shape[1]).expand(batch.size, -1)
@@ -154,7 +154,7 @@ def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
     before = hf_state(learner)
     checksum = optimizer_checksum(learner)
     steps.append(learner.train_step(TrainBatch(batch.tokens, batch.response_mask, b["nan_behav"],
-                                               batch.advantages, batch.ref_logp)))
+                                               batch.advantages, batch.ref_logp, batch.is_weight)))
     after = hf_state(learner)
     untouched = all(torch.equal(before[k], after[k]) for k in before) and \
         checksum == optimizer_checksum(learner)
