@@ -299,7 +299,12 @@ def test_layout_matches_tp1(workdir, family, layout):
             assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-6)
             assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
             for k, v in theirs["metrics"].items():
-                assert mine["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+                # a diagnostic share past a threshold the loss does not use (rho < 0.5) may
+                # differ by one token where a ratio sits within float noise of it after an
+                # update (loss, gradient norm and weights agree to 1e-5 meanwhile)
+                one = 1.0 / theirs["metrics"]["num_neg_tokens"] \
+                    if k == "rho_neg_below_half_frac" else 0.0
+                assert mine["metrics"][k] == pytest.approx(v, rel=1e-5, abs=max(1e-6, one)), k
     assert set(got["weights"]) == set(ref["weights"])
     for name, w in ref["weights"].items():
         assert (got["weights"][name] - w).abs().max() < 1e-5, name
