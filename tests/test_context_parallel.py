@@ -278,6 +278,16 @@ def test_the_cp_exchange_meets_transformer_engines_rules():
     with pytest.raises(ValueError, match="pack_tokens"):
         check_model(windowed, ModelConfig(path="x"), ParallelConfig(context=2, pack_tokens=4096))
     check_model(dense, ModelConfig(path="x"), ParallelConfig(context=2, pack_tokens=4096))
+    # a mixture of experts under CP (tests/test_learner.py: CP2 and EP2 x CP2 equal TP1), but
+    # not with megatron's load-balancing loss, whose gradient there is not CP1's
+    moe = model_spec_from_dict({**base, "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 8,
+                                "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 32})
+    check_model(moe, ModelConfig(path="x"), cp)
+    with pytest.raises(ValueError, match="model.router_load_balancing: 'aux_loss' with "
+                                         "parallel.context > 1"):
+        check_model(moe, ModelConfig(path="x", router_load_balancing="aux_loss",
+                                     router_aux_loss_coeff=0.01), cp)
     assert pack_capacity(cp, 1000, True, 4, packs_with(context_comm_type(windowed, cp))) == 0
     assert pack_capacity(cp, 1000, True, 4, packs_with(context_comm_type(dense, cp))) == 1000
     from mugrpo_megatron.learner.model import transformer_config

@@ -59,6 +59,9 @@ LAYOUTS = {
     "tp2_sp_cp2": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true",
                        "parallel.context=2"]),
     "pp2_cp2": (4, ["parallel.pipeline=2", "parallel.context=2"]),
+    # MoE under CP: the experts over an expert-parallel pair of the DP x CP ranks (megatron
+    # draws expert groups from the ranks of a pipeline stage, CP included)
+    "ep2_cp2": (4, ["parallel.expert=2", "parallel.context=2"]),
     # packed under CP: each sequence padded to a multiple of 4 and cut into 4 chunks of its own
     # (TE's THD rule), rows of 64 (40 rounded up to 16 x 2 x CP); megatron's THD RoPE
     "cp2_packed": (2, ["parallel.context=2", "parallel.pack_tokens=40"]),
@@ -95,7 +98,7 @@ def layouts_for(family: str) -> list[str]:
     if family == "deepseek_v3":  # its MoE layer is GLM-4.5's, whose EP layouts run below:
         return ["tp2_sp", "pp2"]  # multi-latent attention split over TP (and SP) and over PP
     if family in MOE:  # megatron-core needs sequence parallel for MoE with TP > 1
-        return ["ep2_distopt", "ep2_distopt_packed", "tp2_sp", "pp2"]
+        return ["ep2_distopt", "ep2_distopt_packed", "tp2_sp", "pp2", "cp2", "ep2_cp2"]
     return [name for name in LAYOUTS if not name.startswith("ep")
             and (family in FULL or name in ("tp2", "pp2", "tp2_sp"))
             # recomputation and packing under CP: one family
