@@ -185,7 +185,7 @@ def test_router_settings_need_a_mixture_of_experts():
 
 def test_context_parallel_layouts():
     """world = TP x PP x CP x DP; what CP does not do yet is refused by key before anything
-    starts (explicit packing, a mixture of experts); 'auto' pads under CP."""
+    starts (a mixture of experts' load-balancing loss); 'auto' pads under CP."""
     from mugrpo_megatron.layout import check_layout, check_model
     from mugrpo_megatron.layout.shapes import pack_capacity, token_multiple
     from mugrpo_megatron.models.hf_config import model_spec_from_dict
@@ -207,5 +207,8 @@ def test_context_parallel_layouts():
                                 "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
                                 "vocab_size": 100, "num_experts": 4, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 16})
-    with pytest.raises(ValueError, match=r"parallel\.context: context parallelism for a mixture"):
-        check_model(moe, cfg.model, cfg.parallel)
+    check_model(moe, cfg.model, cfg.parallel)  # MoE under CP, but not with the aux loss
+    with pytest.raises(ValueError, match=r"model\.router_load_balancing: 'seq_aux_loss' with "
+                                         r"parallel\.context > 1"):
+        check_model(moe, dataclasses.replace(cfg.model, router_load_balancing="seq_aux_loss",
+                                             router_aux_loss_coeff=0.001), cfg.parallel)
