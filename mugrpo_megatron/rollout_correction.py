@@ -39,6 +39,7 @@ sequence MIS.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,9 @@ import torch
 LOG_BOUND = 20.0
 """|log w| is clamped to this before exp() (exp(20) ~ 4.9e8)."""
 IS_LEVELS = ("token", "sequence")
+"""``algo.rollout_is``'s values (null: off)."""
 RS_LEVELS = ("token", "sequence", "geometric")
+"""``algo.rollout_rs``'s values (null: off)."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ def correct(old_bt: torch.Tensor, rollout_bt: torch.Tensor, mask_bt: torch.Tenso
                              torch.ones_like(per)).float()
     keep = mask_bt
     if c.rs_level is not None:
-        lo, hi = torch.tensor(c.rs_lower).log().item(), torch.tensor(c.rs_upper).log().item()
+        lo, hi = math.log(c.rs_lower), math.log(c.rs_upper)
         if c.rs_level == "token":
             keep = mask_bt & (log_w >= lo) & (log_w <= hi)
         else:
@@ -105,7 +108,8 @@ def correct(old_bt: torch.Tensor, rollout_bt: torch.Tensor, mask_bt: torch.Tenso
 
 @dataclass
 class CorrectionStats:
-    """A phase's rollout correction in numbers, summed over batches of it (``+=``)."""
+    """A phase's rollout correction in numbers, summed over its batches (``add``). Six numbers
+    a phase, whatever its size."""
 
     tokens: int = 0
     responses: int = 0

@@ -178,6 +178,9 @@ def test_refused_where_the_ratio_divides_by_the_engines_log_probs(key, value, me
 
 
 def test_the_bounds_are_checked():
+    with pytest.raises(ValueError, match=r"algo.rollout_rs.*must be one of \['token', "
+                                         r"'sequence', 'geometric'\] or null"):
+        AlgoConfig(behaviour_logprobs="learner", rollout_rs="seq")
     with pytest.raises(ValueError, match="algo.rollout_rs_threshold_lower"):
         AlgoConfig(behaviour_logprobs="learner", rollout_rs="token", rollout_rs_threshold=2.0,
                    rollout_rs_threshold_lower=2.5)

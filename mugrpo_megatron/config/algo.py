@@ -10,6 +10,7 @@ from typing import ClassVar, Literal
 
 from mugrpo_megatron.config.section import Section
 from mugrpo_megatron.objective import KL_ESTIMATORS, LOSS_AGGREGATIONS, VETO_SCOPES
+from mugrpo_megatron.rollout_correction import IS_LEVELS, RS_LEVELS
 
 
 @dataclass(frozen=True)
@@ -211,8 +212,7 @@ class AlgoConfig(Section):
             self._fail("clip_high_auto_ess", "must be in (0, 1]")
 
     def _check_rollout_correction(self) -> None:
-        for key, levels in (("rollout_is", ("token", "sequence")),
-                            ("rollout_rs", ("token", "sequence", "geometric"))):
+        for key, levels in (("rollout_is", IS_LEVELS), ("rollout_rs", RS_LEVELS)):
             if getattr(self, key) is not None and getattr(self, key) not in levels:
                 self._fail(key, f"must be one of {list(levels)} or null")
             if getattr(self, key) is not None and self.behaviour_logprobs != "learner":
