@@ -338,6 +338,8 @@ class PhaseData:
                              ref_logprobs=ref, tool_spans=spans)
         if not correct_it:
             return batch
+        # the engine's log-probs beside the learner's: a second padding of the same rows (one
+        # update's rows, [B, S] a few bytes a token: nothing beside the update's forward pass)
         rollout = padded_batch(engine, self.advantage[rows], self.pad_id, multiple_of)
         weight, keep = correct(batch.behav_logp, rollout.behav_logp, batch.response_mask,
                                self._correction)
