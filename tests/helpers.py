@@ -58,6 +58,40 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: int = 600) -> None:
                              f"{proc.stderr[-8000:]}")
 
 
+def torchrun_nodes(nodes: int, script: Path, *args: str, timeout: int = 600) -> None:
+    """Run ``script`` as torchrun does on ``nodes`` machines of one process each, here on
+    localhost: one launcher a "node" (``--nnodes``, ``--node_rank``), so every rank sees
+    ``LOCAL_RANK`` 0 and ``LOCAL_WORLD_SIZE`` 1 as on separate machines, meeting at one
+    rendezvous port. Raises with every node's output on failure."""
+    import socket
+    import tempfile
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    with tempfile.TemporaryDirectory() as logdir:
+        logs = [open(Path(logdir) / f"node{i}.log", "w+") for i in range(nodes)]
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+             f"--node_rank={i}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+             f"--master_port={port}", str(script), *args], cwd=ROOT, env=env, stdout=logs[i],
+            stderr=subprocess.STDOUT) for i in range(nodes)]
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        text = []
+        for f in logs:
+            f.seek(0)
+            text.append(f.read())
+            f.close()
+    if any(codes):
+        raise AssertionError(f"{script} on {nodes} nodes failed ({codes}):\n"
+                             + "\n".join(f"--- node {i}\n{t[-6000:]}" for i, t in enumerate(text)))
+
+
 def load_run(out: Path) -> dict:
     return {"tensors": load_file(str(out / "tensors.safetensors")),
             "weights": load_file(str(out / "weights.safetensors")),

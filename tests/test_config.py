@@ -143,6 +143,16 @@ def test_engine_placement():
     rank0 = placement(load_config(None, ["rollout.placement=rank0"]).rollout, 4)
     assert (rank0.kind, rank0.replicas, [r for r in range(4) if rank0.hosts(r)]) == ("rank0", 1, [0])
     assert placement(load_config(None, []).rollout, 1).kind == "rank0"
+    # a vLLM replica larger than a node takes whole nodes: TP 16 on 4 nodes of 8 is 2 replicas
+    wide = placement(load_config(None, ["rollout.tensor_parallel=16"]).rollout, 32, 8)
+    assert (wide.replicas, wide.nodes_per_replica, [r for r in range(32) if wide.leads(r)]) \
+        == (2, 2, [0, 16])
+    assert [wide.replica(r) for r in (0, 8, 15, 16, 31)] == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match=r"12 must divide the 8 GPUs per node, or be a multiple"):
+        placement(load_config(None, ["rollout.tensor_parallel=12"]).rollout, 48, 8)
+    with pytest.raises(ValueError, match=r"16 must not exceed the 8 GPUs per node with sglang"):
+        placement(load_config(None, ["rollout.engine=sglang", "rollout.tensor_parallel=16"]).rollout,
+                  32, 8)
 
 
 def test_checks_are_value_errors_also_for_direct_construction():

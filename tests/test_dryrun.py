@@ -95,12 +95,16 @@ def test_placement_is_checked_before_anything_starts(capsys):
     assert main(["train", "--set", "rollout.tensor_parallel=2", "--set", "model.path=/nowhere"]) == 2
     assert "launch through torchrun" in capsys.readouterr().err  # refused before model or run dir
     cfg = ROOT / "configs" / "llama-3.1-70b_8x8xh100_fp8.yaml"
-    assert main(["plan", "--config", str(cfg), "--world-size", "64", "--gpus-per-node", "4"]) == 2
-    assert "8 must divide the 4 GPUs per node" in capsys.readouterr().err
+    # vLLM's replica at TP 8 on nodes of 4 spans two of them; on nodes of 12 it would take part
+    # of a second node, and SGLang's engine (one a node) cannot span nodes at all
+    assert main(["plan", "--config", str(cfg), "--world-size", "64", "--gpus-per-node", "4"]) == 0
+    assert "8 vllm replica(s) at TP 8, each spanning 2 nodes" in capsys.readouterr().out
+    assert main(["plan", "--config", str(cfg), "--world-size", "96", "--gpus-per-node", "12"]) == 2
+    assert "8 must divide the 12 GPUs per node, or be a multiple of them" in capsys.readouterr().err
     assert main(["train", "--config", str(cfg), "--dry-run", "--world-size", "64",
-                 "--gpus-per-node", "4", "--hf-config",
+                 "--gpus-per-node", "4", "--set", "rollout.engine=sglang", "--hf-config",
                  str(ROOT / "configs" / "models" / "llama-3.1-70b-instruct.json")]) == 2
-    assert "stays within a node" in capsys.readouterr().err
+    assert "8 must not exceed the 4 GPUs per node with sglang" in capsys.readouterr().err
     assert main(["train", "--dry-run"]) == 2  # no model.path, no --hf-config: not the cwd's
     assert "model.path: not set" in capsys.readouterr().err
 

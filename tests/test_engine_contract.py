@@ -11,7 +11,7 @@ import importlib.util
 import json
 
 import pytest
-from helpers import ROOT, cli_under_torchrun, records, set_args, torchrun
+from helpers import ROOT, cli_under_torchrun, records, set_args, torchrun, torchrun_nodes
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
@@ -70,6 +70,13 @@ def jobs(engine: str) -> dict[str, dict]:
     out["spmd_tp2_moe_tp2ep2"] = {"ranks": 4, "model": "qwen3_moe", "overrides": [
         *spmd, "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2"],
         "bucket_bytes": SMALL_BUCKET}
+    # one replica at TP2 over two "nodes" of one rank each (torchrun --nnodes 2 on localhost):
+    # a learner at DP2 streams every tensor whole, one at TP2 its shards (the MoE's expert slices)
+    out["span_nodes_dp2"] = {"ranks": 2, "nodes": 2, "model": "llama", "overrides": spmd,
+                             "bucket_bytes": SMALL_BUCKET}
+    out["span_nodes_moe_tp2"] = {"ranks": 2, "nodes": 2, "model": "qwen3_moe", "overrides": [
+        *spmd, "parallel.tensor=2", "parallel.sequence_parallel=true"],
+        "bucket_bytes": SMALL_BUCKET}
     for placement in ("rank0", "spmd"):
         out[f"placement_{placement}"] = {
             "ranks": 2, "model": "llama", "overrides": [
@@ -101,8 +108,9 @@ def run(workdir, engine, name):
     todo = jobs(engine)
     out = workdir / f"{engine}_{name}"
     if not (out / "result.json").exists():
-        ranks = todo[name]["ranks"]
+        ranks, nodes = todo[name]["ranks"], todo[name].get("nodes", 1)
         batch = [n for n, job in todo.items() if job["ranks"] == ranks
+                 and job.get("nodes", 1) == nodes
                  and not (workdir / f"{engine}_{n}" / "result.json").exists()] \
             if engine == "vllm" else [name]
         spec = workdir / f"{engine}_{ranks}_jobs.json"
@@ -110,7 +118,10 @@ def run(workdir, engine, name):
             {"hf": str(checkpoint(workdir, todo[n]["model"])), "out": str(workdir / f"{engine}_{n}"),
              "overrides": todo[n]["overrides"], "bucket_bytes": todo[n].get("bucket_bytes"),
              "dummy_engine": todo[n].get("dummy_engine", False)} for n in batch]))
-        torchrun(ranks, WORKER, str(spec), timeout=300 * len(batch))
+        if nodes > 1:  # one rank a node
+            torchrun_nodes(nodes, WORKER, str(spec), timeout=300 * len(batch))
+        else:
+            torchrun(ranks, WORKER, str(spec), timeout=300 * len(batch))
     return check_contract(out)
 
 
@@ -218,6 +229,28 @@ def test_spmd_engine_ranks_take_their_slices_of_every_expert(workdir):
     r = run(workdir, "vllm", "spmd_tp2_moe_tp2ep2")
     assert r["engine_sharded"] and r["replicas"] == 2, r
     assert "permute_experts" in r["gaps"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")
+@pytest.mark.parametrize("job", ["span_nodes_dp2", "span_nodes_moe_tp2"])
+def test_replica_spanning_two_nodes_meets_the_contract(workdir, job):
+    """An engine replica larger than a node (issue 51): torchrun --nnodes 2 on localhost, one
+    rank a "node" (LOCAL_WORLD_SIZE 1), vLLM at TP2 spmd, so the replica's tensor-parallel
+    group spans both. The contract holds before and after an update (gap within 1e-5), and each
+    rank's engine counts what it took: every HF tensor full-shape, the same on both ranks,
+    whether the learner at DP2 gathered them whole or at TP2 streams its own shards in them
+    (zeros elsewhere; what that saves on the wire is tests/test_collectives.py's count)."""
+    r = run(workdir, "vllm", job)
+    assert r["local_world_size"] == ["1", "1"], r["local_world_size"]
+    assert r["replicas"] == 1 and "each spanning 2 nodes" in r["describe"], r["describe"]
+    for label in ("initial", "after_step", "restored"):
+        assert r["gaps"][label]["max"] <= 1e-5, (label, r["gaps"][label])
+    counted = r["sync_bytes_by_rank"]
+    assert len(counted) == 2 and all(n and n > 0 for n in counted), counted
+    assert counted[0] == counted[1] == r["sync"][0]["bytes"], counted
+    assert r["engine_sharded"] == (job == "span_nodes_moe_tp2"), r["engine_sharded"]
+    if job == "span_nodes_moe_tp2":
+        assert "permute_experts" in r["gaps"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")

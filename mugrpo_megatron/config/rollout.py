@@ -17,7 +17,17 @@ class RolloutConfig(Section):
     """Rollout engine, imported only when chosen. SGLang needs an environment of its own (it pins
     its own torch): scripts/setup_sglang_env.sh."""
     tensor_parallel: int = 1
-    """Tensor-parallel size of each engine replica (independent of the learner's layout)."""
+    """Tensor-parallel size of each engine replica (independent of the learner's layout). With
+    vLLM (placement spmd) it may exceed a node, in whole nodes: TP 16 on nodes of 8 GPUs is a
+    replica over two nodes, its all-reduces over the network (NeMo-RL's vLLM TP 16 for
+    Qwen3-235B on H100, TP 32 for DeepSeek-V3). Of the ways vLLM spreads a replica, this is the
+    one its external launcher runs as it is on both pinned releases and that keeps replicas
+    independent: pipeline parallelism there needs the V1 model runner's output broadcast (0.33
+    falls back from Model Runner V2 for it, config/vllm.py), and data-parallel attention with
+    expert parallelism makes the data-parallel ranks step together (a rank whose share is done
+    runs dummy batches), while each replica here streams its own share. Set VLLM_HOST_IP where
+    a node has several interfaces: vLLM's broadcaster between a replica's nodes binds to it.
+    SGLang (placement node): at most a node."""
     placement: Literal["auto", "spmd", "node", "rank0"] = "auto"
     """Where the engine runs. 'spmd' (vLLM): every torchrun rank hosts one tensor-parallel rank of
     an engine, so world size / rollout.tensor_parallel replicas each generate a share of the

@@ -3,7 +3,7 @@
 Three placements (``rollout.placement``):
 
 - **spmd** (vLLM): every rank hosts one tensor-parallel rank of an engine; ranks
-  ``[r * tp, (r + 1) * tp)`` form replica ``r``. A phase's generation does not come through
+  ``[r * tp, (r + 1) * tp)`` form replica ``r`` (whole nodes, where tp exceeds a node). A phase's generation does not come through
   here: each replica streams its share on its own (``phase.generation``), and ``agree`` ends it.
   A ``generate`` call (held-out evaluation) splits the prompts into one contiguous share per
   replica; the ranks of a replica all submit that share (vLLM's external

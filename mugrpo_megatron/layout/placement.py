@@ -49,10 +49,17 @@ class Placement:
         """Whether ``rank`` starts (a tensor-parallel rank of) an engine."""
         return self.kind == "spmd" or self.leads(rank)
 
+    @property
+    def nodes_per_replica(self) -> int:
+        """Nodes one replica's tensor-parallel group spans (1: it stays within a node)."""
+        return max(1, self.tensor_parallel // self.ranks_per_node) if self.kind == "spmd" else 1
+
     def describe(self) -> str:
         if self.kind == "spmd":
-            return (f"{self.replicas} {self.engine} replica(s) at TP {self.tensor_parallel}, one "
-                    f"engine TP rank on every rank")
+            spans = (f", each spanning {self.nodes_per_replica} nodes"
+                     if self.nodes_per_replica > 1 else "")
+            return (f"{self.replicas} {self.engine} replica(s) at TP {self.tensor_parallel}"
+                    f"{spans}, one engine TP rank on every rank")
         if self.kind == "node":
             return (f"{self.replicas} {self.engine} engine(s) at TP {self.tensor_parallel}, one "
                     f"per node (on each node's first rank)")
@@ -68,20 +75,26 @@ def launcher_ranks_per_node() -> int | None:
 
 def placement(r: RolloutConfig, world_size: int, ranks_per_node: int | None = None) -> Placement:
     """Where ``r``'s engines run in a job of ``world_size`` ranks, ``ranks_per_node`` a node (the
-    whole world when not known). ValueError if the replicas do not tile the ranks, or if one
-    replica's tensor-parallel group would span two nodes."""
+    whole world when not known). ValueError if the replicas do not tile the ranks, or if a
+    replica would take part of a node beyond its own: a vLLM replica (spmd) takes part of one
+    node or whole nodes (TP 16 on nodes of 8: two), an SGLang engine (node) one node at most."""
     if ranks_per_node is not None and ranks_per_node < 1:
         raise ValueError(f"--gpus-per-node: {ranks_per_node} must be at least 1")
     per_node = min(ranks_per_node or world_size, world_size)  # a job smaller than a node
     if world_size % per_node:
         raise ValueError(f"{world_size} ranks do not split into nodes of {per_node} (torchrun's "
                          f"LOCAL_WORLD_SIZE, or --gpus-per-node)")
-    if ranks_per_node is not None and (r.tensor_parallel > ranks_per_node or (
-            r.spmd and ranks_per_node % r.tensor_parallel)):
-        raise ValueError(f"rollout.tensor_parallel: {r.tensor_parallel} must "
-                         + ("divide" if r.spmd else "not exceed")
-                         + f" the {ranks_per_node} GPUs per node: an engine replica's "
-                           f"tensor-parallel group stays within a node")
+    if ranks_per_node is not None and not r.spmd and r.tensor_parallel > ranks_per_node:
+        raise ValueError(f"rollout.tensor_parallel: {r.tensor_parallel} must not exceed the "
+                         f"{ranks_per_node} GPUs per node with {r.engine} (placement node): the "
+                         f"fleet starts one engine a node, in that node's processes; a replica "
+                         f"larger than a node is vLLM's (placement spmd)")
+    if ranks_per_node is not None and r.spmd and (
+            ranks_per_node % r.tensor_parallel if r.tensor_parallel <= ranks_per_node
+            else r.tensor_parallel % ranks_per_node):
+        raise ValueError(f"rollout.tensor_parallel: {r.tensor_parallel} must divide the "
+                         f"{ranks_per_node} GPUs per node, or be a multiple of them: an engine "
+                         f"replica takes part of one node or whole nodes")
     if r.spmd and world_size % r.tensor_parallel:
         raise ValueError(f"rollout.tensor_parallel: {r.tensor_parallel} must divide the "
                          f"world size {world_size} with placement spmd (each engine replica "

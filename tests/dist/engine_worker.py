@@ -2,6 +2,7 @@
 rank's replica with placement spmd, or one on rank 0).
 
 python -m torch.distributed.run --nproc_per_node N tests/dist/engine_worker.py JOBS.json
+(or one launcher a node: tests/helpers.py ``torchrun_nodes``)
 
 JOBS.json: a list of jobs, each {"hf": HF_DIR, "out": OUT, "overrides": [KEY=VALUE, ...],
 "bucket_bytes": int or null, "dummy_engine": bool}, run one after another in this launch (the
@@ -112,6 +113,10 @@ def run_contract(hf_dir: str, out: Path, overrides: list[str], bucket_bytes: int
             return str(e)
         if stats is not None:
             result["sync"].append({"tensors": stats.num_tensors, "bytes": stats.num_bytes})
+        if "sync_bytes_by_rank" not in result:  # what each rank's engine took, the first time
+            counted = [None] * dist.get_world_size()
+            dist.all_gather_object(counted, None if stats is None else stats.num_bytes)
+            result["sync_bytes_by_rank"] = counted
         return None
 
     def sample_and_score(label, greedy=False):
