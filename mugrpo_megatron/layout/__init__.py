@@ -27,6 +27,7 @@ from mugrpo_megatron.layout.context import check_packing, context_comm_type, pac
 from mugrpo_megatron.layout.placement import Placement, launcher_ranks_per_node, placement
 from mugrpo_megatron.layout.shapes import (
     check_model_dims,
+    engine_fp8_problem,
     gemm_inputs_ok,
     pack_capacity,
     round_up,
@@ -62,6 +63,9 @@ def check_layout(cfg: Config, world_size: int, ranks_per_node: int | None = None
             f"world size {world_size}")
     if spec is not None:
         check_model(spec, cfg.model, p)
+        if cfg.rollout.quantization == "fp8" and (
+                problem := engine_fp8_problem(spec, cfg.rollout.tensor_parallel)):
+            raise ValueError(f"rollout.quantization: fp8: {spec.architecture}'s {problem}")
     return JobLayout(dp, where)
 
 

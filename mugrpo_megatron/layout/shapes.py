@@ -22,6 +22,9 @@ metric or log-prob sees them) until the tokens of each TP rank are a multiple of
 ``RECIPE_TOKEN_MULTIPLE``; a packed row (THD) is sized the same way. The model's own dimensions
 (hidden size, the MLP and attention widths per TP rank) must meet the rule too:
 ``check_model_dims`` refuses a layout that would fail in TE's first forward.
+
+The engine's block FP8 (``rollout.quantization: fp8``) has rules of its own, vLLM's
+(``engine_fp8_problem``).
 """
 
 from __future__ import annotations
@@ -102,3 +105,47 @@ def check_model_dims(spec: ModelSpec, parallel: ParallelConfig) -> None:
                 f"{list(shape)} at parallel.tensor = {tp}; Transformer Engine needs the first "
                 f"dimension divisible by {GEMM_ROWS} and the last by {GEMM_COLS}. Choose another "
                 f"parallel.tensor, or train this model without FP8.")
+
+
+ENGINE_FP8_BLOCK = (128, 128)
+"""(rows, columns) of one scale's block in the engine's FP8 weights: DeepSeek-V3's and Qwen3's
+FP8 checkpoints' ``weight_block_size`` (``engines.fp8_weights``)."""
+
+
+def engine_fp8_problem(spec: ModelSpec, tp: int,
+                       block: tuple[int, int] = ENGINE_FP8_BLOCK) -> str:
+    """Why vLLM would refuse ``spec``'s linear layers in block FP8 at engine TP ``tp`` ('' if it
+    would not): vLLM 0.32-0.33 ``validate_fp8_block_shape`` wants every TP-split output size
+    (each part of a merged q/k/v or gate/up) and every row-parallel input size a multiple of the
+    block, and ``validate_fp8_block_shape_moe`` each expert's intermediate size a rank (with
+    expert parallelism, which this stack does not start, the experts would stay whole).
+    Qwen3-235B's experts (1536) split into 192 columns at TP 8: refused, as vLLM refuses the
+    published Qwen3-235B-A22B-FP8 there."""
+    bn, bk = block
+    parts: list[tuple[str, float, int]] = []  # (what, size a rank, the block it must divide)
+    if spec.mla is None:
+        heads, kv = spec.num_heads / tp, max(1, spec.num_kv_heads // tp)
+        parts += [("a rank's query heads", heads * spec.head_dim, bn),
+                  ("a rank's key/value heads", kv * spec.head_dim, bn)]
+        if tp > 1:
+            parts.append(("o_proj's input a rank", heads * spec.head_dim, bk))
+    else:
+        for name, (out, inp) in spec.mla.projections(spec.num_heads, spec.hidden_size).items():
+            split = name not in LatentAttention.DOWN
+            if split and tp > 1:
+                parts.append((f"{name} a rank", (inp if name == "o_proj" else out) / tp,
+                              bk if name == "o_proj" else bn))
+    dense = any(not spec.is_moe_layer(i) for i in range(spec.num_layers))
+    mlps = [("the MLP's intermediate size a rank", spec.ffn_hidden_size)] if dense else []
+    if spec.is_moe:
+        mlps.append(("an expert's intermediate size a rank", spec.moe_ffn_hidden_size))
+        if spec.shared_ffn_hidden_size:
+            mlps.append(("the shared expert's intermediate size a rank",
+                         spec.shared_ffn_hidden_size))
+    parts += [(what, size / tp, bn) for what, size in mlps]
+    bad = [f"{what} is {size:g}" for what, size, b in parts if size % b]
+    if not bad:
+        return ""
+    return (f"block FP8 at engine TP {tp}: " + ", ".join(bad) + f", not a multiple of the "
+            f"{bn} x {bk} block (vLLM's validate_fp8_block_shape refuses it); choose a "
+            f"rollout.tensor_parallel where these divide, or quantization: none")

@@ -1,0 +1,122 @@
+"""Block FP8 weights for the rollout engine (``rollout.quantization: fp8``), made at each sync.
+
+The layout is the one DeepSeek-V3's and Qwen3's own FP8 checkpoints ship and vLLM's block-FP8
+linear method loads (``Fp8Config`` with ``weight_block_size``): each linear weight of the
+decoder layers as ``float8_e4m3fn``, and beside it ``<module>.weight_scale_inv``, one float32 per
+128 x 128 block, such that the weight is ``q * scale_inv`` block by block. The embedding, the
+output layer, norms, biases and the MoE router stay in the model's dtype (vLLM builds the router
+and the embeddings without a quantization method, the FP8 checkpoints keep them in bf16).
+
+The scale of a block is its largest magnitude over e4m3's largest finite value (448), so the
+block's largest element maps to +-448 and the rest round to the nearest e4m3 value; an all-zero
+block (a rank's zeros outside its shard, in a sharded stream) gets the scale 1 and stays zero. A block that straddles two TP shards would mix them, so the engine's shard sizes must
+be multiples of the block (vLLM refuses them otherwise, ``validate_fp8_block_shape``).
+
+No vLLM import here: the quantizer is plain torch, checked in tests against a dequantization
+written element by element.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from mugrpo_megatron.layout.shapes import ENGINE_FP8_BLOCK
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+"""448: the largest finite e4m3 value; a block's largest magnitude maps to it."""
+BLOCK = ENGINE_FP8_BLOCK
+SCALE_SUFFIX = "weight_scale_inv"
+"""The scale's name beside ``<module>.weight``, as the FP8 checkpoints and vLLM name it."""
+_KEPT = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "e_score_correction_bias")
+"""Name parts of tensors that stay in the model's dtype (the router is ``mlp.gate``; its
+correction bias, norms, embeddings and the output layer)."""
+
+
+def quantization_config(block: tuple[int, int] = BLOCK) -> dict:
+    """The ``quantization_config`` of an FP8 checkpoint's config.json (DeepSeek-V3's and
+    Qwen3-*-FP8's keys), which makes vLLM build block-FP8 linear layers."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+            "weight_block_size": list(block)}
+
+
+def is_quantized(name: str, tensor: torch.Tensor) -> bool:
+    """Whether the HF tensor ``name`` is one of the engine's FP8 linear weights: a 2-D
+    ``.weight`` inside the decoder layers that is not a norm, the router or its bias."""
+    return (tensor.dim() == 2 and name.endswith(".weight") and ".layers." in name
+            and not any(part in name for part in _KEPT))
+
+
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
+                    rows_at_once: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [m, n] as (e4m3 [m, n], float32 scales [ceil(m / bm), ceil(n / bn)]), each
+    block scaled by its largest magnitude / 448 (edge blocks: what of them there is). Worked
+    on ``rows_at_once`` rows at a time (rounded to whole blocks), so that what it holds beyond
+    its output is a few float32 copies of those rows, not of the weight (70B's down projection
+    is 0.94 GB in float32)."""
+    if weight.dim() != 2:
+        raise ValueError(f"block FP8 quantizes 2-D weights; got shape {tuple(weight.shape)}")
+    bm, bn = block
+    m, n = weight.shape
+    cols = math.ceil(n / bn)
+    step = max(1, rows_at_once // bm) * bm
+    q = torch.empty(m, n, dtype=FP8_DTYPE, device=weight.device)
+    scales = []
+    for start in range(0, m, step):
+        part = weight[start:start + step].float()
+        rows = math.ceil(part.shape[0] / bm)
+        padded = torch.nn.functional.pad(part, (0, cols * bn - n, 0, rows * bm - part.shape[0]))
+        blocks = padded.view(rows, bm, cols, bn)
+        amax = blocks.abs().amax(dim=(1, 3))
+        scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        blocks = (blocks / scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+        q[start:start + step] = blocks.view(rows * bm, cols * bn)[:part.shape[0], :n].to(FP8_DTYPE)
+        scales.append(scale_inv)
+    return q, torch.cat(scales)
+
+
+def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight an FP8 checkpoint's tensors stand for: ``q * scale_inv`` block by block."""
+    bm, bn = block
+    scale = scale_inv.repeat_interleave(bm, 0).repeat_interleave(bn, 1)[:q.shape[0], :q.shape[1]]
+    return (q.float() * scale).to(dtype)
+
+
+def quantize_stream(weights: Iterable[tuple[str, torch.Tensor]],
+                    block: tuple[int, int] = BLOCK) -> Iterator[tuple[str, torch.Tensor]]:
+    """The export stream as the engine's FP8 checkpoint holds it: each linear weight of the
+    layers (``is_quantized``) as its e4m3 tensor followed by ``<module>.weight_scale_inv``, the
+    rest as it came. One tensor at a time: what it holds beyond the stream is one weight in
+    float32 while it is quantized."""
+    for name, tensor in weights:
+        if is_quantized(name, tensor):
+            q, scale_inv = quantize_blocks(tensor, block)
+            yield name, q
+            yield name.removesuffix("weight") + SCALE_SUFFIX, scale_inv.to(tensor.device)
+        else:
+            yield name, tensor
+
+
+def fp8_bytes(rows: int, cols: int, block: tuple[int, int] = BLOCK) -> int:
+    """Bytes of one linear weight in block FP8: a byte an element and a float32 a block."""
+    return rows * cols + 4 * math.ceil(rows / block[0]) * math.ceil(cols / block[1])
+
+
+def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the HF checkpoint in ``model_dir`` (its ``*.safetensors``, one at a time):
+    what an FP8 engine asked to load the checkpoint is sent through ``quantize_stream``."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors to load (rollout.quantization "
+                                f"fp8 quantizes a checkpoint's tensors as it loads them)")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

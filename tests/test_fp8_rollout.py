@@ -1,0 +1,272 @@
+"""Block FP8 rollout weights (``rollout.quantization: fp8``, issue 51 item 3): the quantizer
+against a block-by-block reference, the names and tensors the engine is sent, the layouts vLLM
+fuses and shards, vLLM's own block-shape rules and parameters, and the dry run's FP8 figures."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT
+
+from mugrpo_megatron.config.loader import load_config
+from mugrpo_megatron.engines.fp8_weights import (
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    SCALE_SUFFIX,
+    checkpoint_tensors,
+    dequantize_blocks,
+    is_quantized,
+    quantization_config,
+    quantize_blocks,
+    quantize_stream,
+)
+from mugrpo_megatron.layout.shapes import engine_fp8_problem
+from mugrpo_megatron.models.hf_config import read_model_spec
+from mugrpo_megatron.models.tiny import make_tiny_checkpoint
+
+MODELS = ROOT / "configs" / "models"
+
+
+def reference_quantize(w: torch.Tensor, block=BLOCK):
+    """Block by block, written out: the scale is the block's largest magnitude over 448 (1 for
+    an all-zero block), each element w / scale rounded to e4m3."""
+    bm, bn = block
+    m, n = w.shape
+    rows, cols = -(-m // bm), -(-n // bn)
+    q = torch.empty(m, n, dtype=FP8_DTYPE)
+    s = torch.empty(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            b = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].float()
+            amax = b.abs().max().item()
+            scale = amax / 448.0 if amax > 0 else 1.0
+            s[i, j] = scale
+            q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (b / torch.tensor(scale)).to(FP8_DTYPE)
+    return q, s
+
+
+@pytest.mark.parametrize("shape, dtype, rows_at_once", [
+    ((300, 260), torch.float32, 1024), ((300, 260), torch.bfloat16, 128),
+    ((256, 384), torch.bfloat16, 100), ((1, 5), torch.float32, 1024)])
+def test_quantizer_matches_the_blockwise_reference(shape, dtype, rows_at_once):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(*shape, generator=g) * torch.logspace(-3, 0, shape[1])).to(dtype)
+    if shape[0] >= 128 and shape[1] >= 128:
+        w[:128, :128] = 0  # an all-zero block: a sharded stream's zeros outside a rank's shard
+    q, s = quantize_blocks(w, rows_at_once=rows_at_once)
+    q_ref, s_ref = reference_quantize(w)
+    assert q.dtype == FP8_DTYPE and s.dtype == torch.float32
+    assert s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    assert torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # what the engine computes with: within e4m3's rounding of each element (3 mantissa bits:
+    # half a step is 2^-4 of the value in the normal range, half of 2^-9 x scale below it)
+    deq = dequantize_blocks(q, s)
+    scale = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:shape[0], :shape[1]]
+    bound = torch.maximum(w.float().abs() * 2**-4, scale * 2**-10)
+    assert ((deq - w.float()).abs() <= bound * (1 + 1e-6)).all()
+    # each block's largest magnitude maps to +-448 exactly
+    assert (q.float().abs().amax() == FP8_MAX) or w.abs().max() == 0
+
+
+def test_stream_quantizes_the_linear_weights_of_the_layers_only(tmp_path):
+    """Every 2-D weight of the decoder layers except norms and the router goes out as e4m3 and
+    its ``weight_scale_inv`` right after; the embedding, output layer, norms, router and its
+    correction bias go out as they came (DeepSeek-V3's MLA and shared experts included)."""
+    hf = make_tiny_checkpoint(tmp_path / "dsv3", "deepseek_v3", seed=1)
+    tensors = dict(checkpoint_tensors(hf))
+    sent = list(quantize_stream(tensors.items()))
+    names = [n for n, _ in sent]
+    quantized = {n for n, t in tensors.items() if is_quantized(n, t)}
+    assert quantized and len(sent) == len(tensors) + len(quantized)
+    for name in tensors:
+        assert name in names
+    for i, (name, t) in enumerate(sent):
+        if name in quantized:
+            assert t.dtype == FP8_DTYPE
+            scale_name, scale = sent[i + 1]
+            assert scale_name == name.removesuffix("weight") + SCALE_SUFFIX
+            assert scale.shape == (-(-t.shape[0] // 128), -(-t.shape[1] // 128))
+        elif not name.endswith(SCALE_SUFFIX):
+            assert t is tensors[name]
+    kept = set(tensors) - quantized
+    for part in ("embed_tokens", "lm_head", "input_layernorm", "kv_a_layernorm", "mlp.gate.weight",
+                 "e_score_correction_bias"):
+        assert any(part in n for n in kept), part
+    for part in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                 "experts.0.gate_proj", "shared_experts.down_proj", "mlp.down_proj"):
+        assert any(part in n for n in quantized), part
+
+
+def test_fused_and_sharded_layouts_get_the_scales_of_the_whole():
+    """vLLM fuses q/k/v (gate/up, an MoE layer's experts) into one parameter and each rank
+    keeps its TP slice; quantizing each HF tensor, or a sharded stream's tensor that holds only
+    a rank's shard (zeros elsewhere), gives exactly the e4m3 values and scales of the fused or
+    whole tensor where the parts are whole blocks, which vLLM requires of them."""
+    g = torch.Generator().manual_seed(1)
+    q_w, k_w, v_w = (torch.randn(r, 384, generator=g) for r in (512, 128, 128))
+    fused_q, fused_s = quantize_blocks(torch.cat([q_w, k_w, v_w]))
+    parts = [quantize_blocks(t) for t in (q_w, k_w, v_w)]
+    assert torch.equal(torch.cat([p[0] for p in parts]).view(torch.uint8), fused_q.view(torch.uint8))
+    assert torch.equal(torch.cat([p[1] for p in parts]), fused_s)
+    whole = torch.randn(512, 768, generator=g)
+    full_q, full_s = quantize_blocks(whole)
+    for dim in (0, 1):  # column-parallel rows, row-parallel columns; rank 1 of 2
+        own = [slice(None), slice(None)]
+        own[dim] = slice(whole.shape[dim] // 2, None)
+        sharded = torch.zeros_like(whole)
+        sharded[tuple(own)] = whole[tuple(own)]
+        q, s = quantize_blocks(sharded)
+        assert torch.equal(q[tuple(own)].view(torch.uint8), full_q[tuple(own)].view(torch.uint8))
+        blocks = [slice(None), slice(None)]
+        blocks[dim] = slice(whole.shape[dim] // 256, None)
+        assert torch.equal(s[tuple(blocks)], full_s[tuple(blocks)])
+
+
+VLLM_SIDE = r"""
+import json, sys, torch
+from unittest import mock
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+import vllm.model_executor.layers.quantization.fp8 as fp8
+from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+    validate_fp8_block_shape, validate_fp8_block_shape_moe)
+from mugrpo_megatron.engines.fp8_weights import quantization_config
+from mugrpo_megatron.models.hf_config import read_model_spec
+
+hf, models = sys.argv[1], json.loads(sys.argv[2])
+cfg = fp8.Fp8Config.from_config(quantization_config())
+out = {"config": [cfg.is_checkpoint_fp8_serialized, cfg.weight_block_size, cfg.activation_scheme]}
+with set_current_vllm_config(VllmConfig(model_config=ModelConfig(model=hf, dtype="bfloat16"))), \
+        mock.patch.object(fp8, "init_fp8_linear_kernel", lambda **kw: None):  # no CPU FP8 GEMM here
+    init_distributed_environment(1, 0, "tcp://127.0.0.1:" + sys.argv[3], 0, "gloo")
+    initialize_model_parallel(1)
+    layer = torch.nn.Module()
+    fp8.Fp8LinearMethod(cfg).create_weights(
+        layer, input_size_per_partition=384, output_partition_sizes=[512, 128, 128],
+        input_size=384, output_size=768, params_dtype=torch.bfloat16, weight_loader=None)
+    out["params"] = {n: [str(p.dtype), list(p.shape)] for n, p in layer.named_parameters()}
+
+def refused(check, *args):
+    try:
+        check(*args)
+        return False
+    except ValueError:
+        return True
+
+class Layer:  # vLLM reads the TP size from the layer where it has one
+    def __init__(self, tp): self.tp_size = tp
+
+verdicts = {}
+for name, path in models.items():
+    s = read_model_spec(path)
+    for tp in (1, 2, 4, 8, 16, 32):
+        checks = []
+        if s.mla is None:
+            kv = max(1, s.num_kv_heads // tp) * s.head_dim
+            qkv = [s.num_heads * s.head_dim // tp, kv, kv]
+            checks.append((validate_fp8_block_shape, Layer(tp), s.hidden_size,
+                           sum(qkv) * tp, s.hidden_size, qkv, [128, 128]))
+            checks.append((validate_fp8_block_shape, Layer(tp), s.num_heads * s.head_dim,
+                           s.hidden_size * tp, s.num_heads * s.head_dim // tp, [s.hidden_size],
+                           [128, 128]))
+        else:
+            for proj, (o, i) in s.mla.projections(s.num_heads, s.hidden_size).items():
+                if proj in ("q_b_proj", "kv_b_proj"):
+                    checks.append((validate_fp8_block_shape, Layer(tp), i, o, i, [o // tp],
+                                   [128, 128]))
+                elif proj == "o_proj":
+                    checks.append((validate_fp8_block_shape, Layer(tp), i, o * tp, i // tp, [o],
+                                   [128, 128]))
+        mlps = [s.ffn_hidden_size] if any(not s.is_moe_layer(i) for i in range(s.num_layers)) else []
+        mlps += [s.shared_ffn_hidden_size] if s.shared_ffn_hidden_size else []
+        for size in mlps:
+            checks.append((validate_fp8_block_shape, Layer(tp), s.hidden_size,
+                           2 * size, s.hidden_size, [size // tp, size // tp], [128, 128]))
+            checks.append((validate_fp8_block_shape, Layer(tp), size, s.hidden_size * tp,
+                           size // tp, [s.hidden_size], [128, 128]))
+        if s.is_moe:
+            checks.append((validate_fp8_block_shape_moe, s.moe_ffn_hidden_size // tp, [128, 128]))
+        verdicts[f"{name}@{tp}"] = any(refused(c[0], *c[1:]) for c in checks)
+out["refused"] = verdicts
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")
+def test_vllm_takes_the_config_and_refuses_the_shapes_we_refuse(tmp_path):
+    """Against vLLM itself (in a process of its own: it makes a world of one rank): its
+    ``Fp8Config`` parses our ``quantization_config`` as a serialized block-FP8 checkpoint; its
+    ``Fp8LinearMethod`` builds a fused q/k/v layer's ``weight`` in e4m3 and its
+    ``weight_scale_inv`` with the shapes ``quantize_stream`` sends (the GEMM kernel, which needs
+    AMX tiles on CPU, left out); and its block-shape checks refuse exactly the (model, TP) pairs
+    ``engine_fp8_problem`` refuses, for every model of configs/models at TP 1 to 32."""
+    import socket
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", seed=0)
+    models = {p.stem: str(p) for p in sorted(MODELS.glob("*.json"))}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-c", VLLM_SIDE, str(hf), json.dumps(models), str(port)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = json.loads(lines[0].removeprefix("RESULT "))
+    assert out["config"] == [True, [128, 128], "dynamic"]
+    q, s = quantize_blocks(torch.randn(768, 384))  # q, k and v together, as vLLM fuses them
+    assert out["params"] == {"weight": ["torch.float8_e4m3fn", list(q.shape)],
+                             "weight_scale_inv": ["torch.float32", list(s.shape)]}
+    ours = {f"{name}@{tp}": bool(engine_fp8_problem(read_model_spec(path), tp))
+            for name, path in models.items() for tp in (1, 2, 4, 8, 16, 32)}
+    assert out["refused"] == ours
+    assert ours["qwen3-235b-a22b@16"] and not ours["deepseek-v3@16"]  # the configs' choices
+
+
+def test_fp8_settings_are_checked_and_counted():
+    with pytest.raises(ValueError, match=r"rollout\.quantization: is wired for vLLM only"):
+        load_config(None, ["rollout.engine=sglang", "rollout.quantization=fp8"])
+    with pytest.raises(ValueError, match=r"rollout\.kv_cache_dtype: is wired for vLLM only"):
+        load_config(None, ["rollout.engine=sglang", "rollout.kv_cache_dtype=fp8"])
+    assert quantization_config()["weight_block_size"] == [128, 128]
+    from mugrpo_megatron.dryrun.memory import EngineTensors
+
+    spec = read_model_spec(MODELS / "llama-3.1-70b-instruct.json")
+    bf16, fp8 = (EngineTensors.of(spec, 8, "bfloat16", fp8=f).total for f in (False, True))
+    # the linear weights halve; the vocabulary (2 x 128256 x 8192 bf16, 4.2 GB) stays
+    vocab = 2 * 128256 * 8192 * 2 / 8
+    assert abs((fp8 - vocab) / (bf16 - vocab) - 0.5) < 0.001
+
+
+def test_dry_run_counts_fp8_weights_and_kv_cache():
+    """The 70B config with the engine's weights in FP8 and its KV cache in fp8: the engine's
+    weights a GPU about halve, the KV cache's sequences at least double; Qwen3-235B in FP8 at
+    TP 16 is refused with vLLM's reason."""
+    from mugrpo_megatron.dryrun import dry_run
+
+    cfg_path = ROOT / "configs" / "llama-3.1-70b_8x8xh100_fp8.yaml"
+    model = MODELS / "llama-3.1-70b-instruct.json"
+
+    def figures(*sets):
+        text = dry_run(load_config(cfg_path, list(sets)), 64, model)
+        pick = lambda key: next(x for x in text.splitlines() if x.strip().startswith(key))  # noqa: E731
+        return pick("engine weights"), pick("engine KV cache"), text
+
+    base_w, base_kv, _ = figures()
+    w, kv, text = figures("rollout.quantization=fp8", "rollout.kv_cache_dtype=fp8")
+    gib = lambda line: float(line.split()[2])  # noqa: E731
+    tokens = lambda line: int(line.split("(")[1].split()[0].replace(",", ""))  # noqa: E731
+    assert 0.5 < gib(w) / gib(base_w) < 0.6 and "block FP8" in w
+    assert tokens(kv) > 2 * tokens(base_kv) and "fp8" in kv
+    with pytest.raises(ValueError, match=r"rollout\.quantization: fp8: Qwen3MoeForCausalLM's block "
+                                         r"FP8 at engine TP 16: an expert's intermediate size a "
+                                         r"rank is 96"):
+        dry_run(load_config(None, ["rollout.quantization=fp8", "rollout.tensor_parallel=16",
+                                   "parallel.tensor=4", "parallel.expert=8",
+                                   "parallel.sequence_parallel=true"]), 128,
+                MODELS / "qwen3-235b-a22b.json", gpus_per_node=8)
