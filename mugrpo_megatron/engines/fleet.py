@@ -3,13 +3,14 @@
 Three placements (``rollout.placement``):
 
 - **spmd** (vLLM): every rank hosts one tensor-parallel rank of an engine; ranks
-  ``[r * tp, (r + 1) * tp)`` form replica ``r`` (whole nodes, where tp exceeds a node). A phase's generation does not come through
-  here: each replica streams its share on its own (``phase.generation``), and ``agree`` ends it.
-  A ``generate`` call (held-out evaluation) splits the prompts into one contiguous share per
-  replica; the ranks of a replica all submit that share (vLLM's external
-  launcher runs one scheduler per rank and relies on them seeing the same requests), and the
-  replicas' answers are gathered on rank 0. Weights reach every replica from the learner ranks
-  it shares a process with: the export stream already hands every rank every tensor.
+  ``[r * tp, (r + 1) * tp)`` form replica ``r`` (whole nodes, where tp exceeds a node). A
+  phase's generation does not come through here: each replica streams its share on its own
+  (``phase.generation``), and ``agree`` ends it. A ``generate`` call (held-out evaluation)
+  splits the prompts into one contiguous share per replica; the ranks of a replica all submit
+  that share (vLLM's external launcher runs one scheduler per rank and relies on them seeing
+  the same requests), and the replicas' answers are gathered on rank 0. Weights reach every
+  replica from the learner ranks it shares a process with: the export stream already hands
+  every rank every tensor.
 - **node** (SGLang): one engine per node, started by the node's first rank (``LOCAL_RANK`` 0)
   with ``rollout.tensor_parallel`` of the node's GPUs in processes of its own; node ``n`` is
   replica ``n``, fed by the same streaming path, and takes every weight from the export stream

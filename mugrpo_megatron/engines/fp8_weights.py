@@ -9,8 +9,9 @@ and the embeddings without a quantization method, the FP8 checkpoints keep them 
 
 The scale of a block is its largest magnitude over e4m3's largest finite value (448), so the
 block's largest element maps to +-448 and the rest round to the nearest e4m3 value; an all-zero
-block (a rank's zeros outside its shard, in a sharded stream) gets the scale 1 and stays zero. A block that straddles two TP shards would mix them, so the engine's shard sizes must
-be multiples of the block (vLLM refuses them otherwise, ``validate_fp8_block_shape``).
+block (a rank's zeros outside its shard, in a sharded stream) gets the scale 1 and stays zero. A
+block that straddles two TP shards would mix them, so the engine's shard sizes must be multiples
+of the block (vLLM refuses them otherwise: ``layout.shapes.engine_fp8_problem``).
 
 No vLLM import here: the quantizer is plain torch, checked in tests against a dequantization
 written element by element.

@@ -51,11 +51,6 @@ from mugrpo_megatron.engines.base import (
     WeightSyncStats,
 )
 from mugrpo_megatron.engines.compat_torch import torch_state_kept
-from mugrpo_megatron.engines.fp8_weights import (
-    checkpoint_tensors,
-    quantization_config,
-    quantize_stream,
-)
 from mugrpo_megatron.engines.compat_vllm import (
     abort_requests,
     cpu_attention_kwargs,
@@ -71,6 +66,11 @@ from mugrpo_megatron.engines.compat_vllm import (
     repack_cpu_experts,
     set_group_timeouts,
     shutdown_in_process,
+)
+from mugrpo_megatron.engines.fp8_weights import (
+    checkpoint_tensors,
+    quantization_config,
+    quantize_stream,
 )
 
 SLEEP_LEVEL = 2
