@@ -336,10 +336,12 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     params_b = stage_params * w
     grads_b = stage_params * 4
     opt_per_param = 12 if w < 4 else 8
-    # the distributed optimizer shards the experts' state over the expert-data-parallel group
-    # (dp / ep ranks hold the same experts), the rest over all dp (x cp: megatron's dp_cp group)
-    shard_dense, shard_expert = (dp * p.context, dp // p.expert) if p.distributed_optimizer \
-        else (1, 1)
+    # the distributed optimizer shards the experts' state over the expert-data-parallel group,
+    # the rest over all dp (x cp: megatron's dp_cp group). Expert layers see no CP: megatron-core
+    # (0.16.1-0.19.2 ``initialize_model_parallel``) makes the expert-data-parallel size world /
+    # (expert TP x EP x PP) = dp x cp / ep, the CP ranks holding the same experts as DP ranks do
+    shard_dense, shard_expert = (dp * p.context, dp * p.context // p.expert) \
+        if p.distributed_optimizer else (1, 1)
     optim_b = opt_per_param * (dense_params / shard_dense + expert_params / shard_expert)
     state = params_b + grads_b + optim_b
 
