@@ -324,3 +324,22 @@ def test_the_learner_update_time_from_stated_rates():
     assert full["flops"] == pytest.approx(u4["flops"] * 4 / 3)
     u2 = update_seconds(load_config(path, [*sets, "parallel.context=2"]), spec, dp=1, world=64)
     assert u2["seconds"] == pytest.approx(2 * u4["seconds"], rel=0.02)
+
+
+def test_expert_state_is_sharded_as_megatron_groups_the_experts():
+    """megatron-core makes the expert-data-parallel size world / (expert TP x EP x PP) = DP x CP
+    / EP: expert layers see no context parallelism, so CP ranks shard the experts' optimizer
+    state as DP ranks do. Same world, EP and TP: CP2 x DP4 and DP8 give the same expert shard,
+    and only the dense state's shard (over DP x CP) is the same too."""
+    spec = read_model_spec(ROOT / "configs" / "models" / "qwen3-30b-a3b.json")
+    sets = ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=4",
+            "parallel.distributed_optimizer=true", "algo.samples_per_update=64",
+            "parallel.micro_batch_size=1"]
+    cp1 = estimate(load_config(None, sets), spec, dp=8)
+    cp2 = estimate(load_config(None, [*sets, "parallel.context=2"]), spec, dp=4)
+    assert math.isclose(cp1["optimizer"], cp2["optimizer"], rel_tol=1e-9)
+    # the experts' share of the optimizer: 12 bytes a parameter over DP x CP / EP = 2 ranks
+    moe_layers = spec.num_layers
+    experts_here = spec.num_experts * 3 * spec.hidden_size * spec.moe_ffn_hidden_size * moe_layers \
+        / (2 * 4)
+    assert cp2["optimizer"] > 12 * experts_here / 2
