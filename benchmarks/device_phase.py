@@ -121,15 +121,19 @@ def transitions_section(path: Path, state: dict, args) -> dict:
         mark("start", 0)
         learner.onload()
         for phase in range(2):
-            learner.offload(keep_weights=True)  # the trainer's sync: the weights alone
+            # the trainer's sync: the learner offloaded whole, the stream read from its host copy
+            from mugrpo_megatron.learner.export import iter_hf_tensors
+
+            learner.offload()
+            stream = iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=256 << 20,
+                                     tensor_of=learner.host_tensor)
             if engine is not None:
                 engine.wake(weights_only=True)
-                from mugrpo_megatron.learner.export import iter_hf_tensors
-
-                engine.update_weights(iter_hf_tensors(learner.chunks(), learner.spec,
-                                                      bucket_bytes=256 << 20))
+                engine.update_weights(stream)
+            else:  # no engine here: the stream is still read, from pinned host memory
+                for _ in stream:
+                    pass
             mark("sync", phase)
-            learner.offload()
             for name in ("generate", "evaluate"):
                 if engine is not None:
                     engine.wake()

@@ -5,6 +5,14 @@ the engines (``sync_weights``), the learner steps aside to host memory while the
 generate (``learner_offloaded``), and each transition is marked with the memory in use
 (``mark_memory``), the ones the dry run budgets. Every method is collective.
 
+With ``parallel.offload_learner`` the learner leaves the device whole before the engines wake
+for a sync: weights, gradient buffers and optimizer state to pinned host memory, and the sync
+streams each parameter from that host copy, one at a time, to the device and into the stream
+(``Learner.host_tensor``; slime streams its sync from the host copy the same way): every sync
+runs inside ``learner_offloaded``. The sync's device memory is then the engine's woken weights,
+the stream and the engine's reload, with none of the learner's beside them; the learner stays on
+the host through the generation after it and comes back when the engine sleeps.
+
 The engines' sleep drops their weights on GPUs (vLLM's level 2, SGLang without a CPU backup:
 ``RolloutEngine.sleep_discards_weights``), so a sync is skipped only while the engines still hold
 the learner's current update: never after such a sleep (``EngineFleet.has_weights``).
@@ -62,6 +70,7 @@ class Handoff:
         self.engine_has: int | None = None
         """The learner update whose weights the engines hold (None: none of the learner's)."""
 
+
     @contextmanager
     def learner_offloaded(self, rec: PhaseRecord | None = None):
         """The learner's weights and optimizer state in host memory while the engine works
@@ -69,7 +78,7 @@ class Handoff:
         if not self.offload:
             yield
             return
-        out = self.learner.offload()
+        out = self.learner.offload()  # all of it, before the engine's weights wake for a sync
         try:
             yield
         except BaseException:
@@ -95,13 +104,17 @@ class Handoff:
         if self.engine_has == self.learner.num_updates and self.engines.has_weights:
             return 0.0
         t0 = time.perf_counter()
-        if self.offload and not self.learner.offloaded:
-            # a sync reads the weights alone: gradient buffers freed, optimizer state to the
-            # host, so that the engine's woken weights sit beside the learner's weights only
-            self.learner.offload(keep_weights=True)
+        from_host = {}
+        if self.offload:  # the learner is on the host (inside ``learner_offloaded``)
+            if self.learner.on_device != "nothing":
+                raise RuntimeError("sync_weights: with parallel.offload_learner the sync streams "
+                                   "from the learner's host copy; call it inside "
+                                   "learner_offloaded()")
+            from_host = {"tensor_of": self.learner.host_tensor}
         self.engines.wake(weights_only=True)  # a sleeping engine has no weights to update
         stream = iter_hf_tensors(self.learner.chunks(), self.learner.spec,
-                                 bucket_bytes=self.bucket_bytes, engine_sharded=self.sharded)
+                                 bucket_bytes=self.bucket_bytes, engine_sharded=self.sharded,
+                                 **from_host)
         try:
             self.engines.update_weights(stream)
         except EngineFailed as e:

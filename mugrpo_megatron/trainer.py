@@ -146,12 +146,10 @@ class Trainer:
 
     def run(self) -> None:
         if self.start_update == 0:
-            self.handoff.sync_weights()
             self.evaluate("before")
         # phases are planned one at a time: with algo.max_drift, each from how the last ended
         while (phase := self.schedule.plan(self.state.ended)) is not None:
             self.run_phase(phase)
-        self.handoff.sync_weights()
         self.evaluate("after")
         if self.cfg.checkpoint.export_hf:
             out = self.run_dir / "hf"
@@ -193,8 +191,8 @@ class Trainer:
         directory = phase_dir(self.run_dir, phase.index)
         if on_rank0(self._plan_on_disk, directory, phase):
             return self._open(directory)
-        rec.sync_seconds = self.handoff.sync_weights()  # into the engine's weights, woken alone
-        with self.handoff.learner_offloaded(rec):
+        with self.handoff.learner_offloaded(rec):  # the engine's weights woken alone for a sync
+            rec.sync_seconds = self.handoff.sync_weights()
             rec.switch_seconds += self.engines.wake()  # the KV cache: the learner stepped aside
             self.generate(phase, directory, rec)
             self.handoff.mark_memory("generate", phase.index)
@@ -365,6 +363,7 @@ class Trainer:
         t0 = time.perf_counter() if since is None else since
         specs = {name: set_sampling(self.cfg, name) for name in self.eval_sets}
         with self.handoff.learner_offloaded():
+            self.handoff.sync_weights()
             self.engines.wake()
             gens = {name: self.engines.generate([p.token_ids for p in prompts], specs[name],
                                                 rows=[tool_rows(p) for p in prompts])
@@ -400,7 +399,6 @@ class Trainer:
         if not every or update % every or update >= self.cfg.algo.total_updates:
             return 0.0
         t0 = time.perf_counter()
-        self.handoff.sync_weights()
         self.evaluate(f"update {update}", since=t0)
         return time.perf_counter() - t0
 

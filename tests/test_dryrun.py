@@ -112,8 +112,8 @@ def test_placement_is_checked_before_anything_starts(capsys):
 def test_every_transition_of_a_phase_is_budgeted():
     """The dry run's verdict is the largest of the phase's transitions; FP8's weight caches and
     NCCL's buffers count where no offload frees them; an evaluation meets the whole engine
-    without the learner; a sync meets the learner's weights alone (gradient buffers freed,
-    optimizer state on the host) beside the engine's weights and the pools vLLM wakes with them,
+    without the learner; a sync meets one of the learner's weights at a time (it streams from the
+    learner's host copy) beside the engine's weights and the pools vLLM wakes with them,
     the stream and what the engine's reload holds of it; a sleeping engine holds nothing on the
     device (vLLM 0.32-0.33 backs its pools up to the host); the margin is kept, of the 79.6 GiB
     CUDA reports of an 80 GB H100."""
@@ -129,9 +129,11 @@ def test_every_transition_of_a_phase_is_budgeted():
     assert e["fp8_cache"] > 2 * GIB  # ~2 bytes a GEMM weight of the rank's 2.2B parameters
     assert t["evaluate"] == t["generate"] < t["generate"] + e["learner_state"]
     assert t["optimize"] >= e["learner_state"] + e["activations"] + e["fp8_cache"] + e["logits"]
-    assert e["learner_at_sync"] == e["params"] < e["learner_state"]
+    # offloaded, a sync streams from the host copy: one parameter on the device at a time, the
+    # largest the vocabulary's shard (128256 padded to 129024, over 8 ranks, of 8192 in bf16)
+    assert e["learner_at_sync"] == 129024 // 8 * 8192 * 2 < e["params"] / 10
     resident = e["cuda_context"] + e["nccl"] + e["fp8_cache"]
-    assert t["sync"] == pytest.approx(resident + e["params"] + e["engine_weights"]
+    assert t["sync"] == pytest.approx(resident + e["learner_at_sync"] + e["engine_weights"]
                                       + e["engine_pools"] + e["stream"] + e["reload"])
     assert t["save"] == pytest.approx(resident + e["learner_state"])  # the engine asleep: 0
     assert e["nccl"] == sum(communicators(cfg, 2).values()) * 0.5 * GIB

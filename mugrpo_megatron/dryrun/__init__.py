@@ -37,7 +37,8 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
     g = lambda x: f"{x / GIB:6.1f} GiB"  # noqa: E731
     apart = ", learner offloaded" if e["offloaded"] else " beside the learner"
     on_device = {"start": "engine starting" + apart,
-                 "sync": "the learner's weights" + (" alone" if e["offloaded"] else " and state")
+                 "sync": ("one of the learner's weights at a time, streamed from its host copy"
+                          if e["offloaded"] else "the learner's weights and state")
                          + ", the engine's weights and pools woken, the stream and what the "
                            "engine's reload holds of it",
                  "generate": "whole engine" + apart, "evaluate": "whole engine" + apart,

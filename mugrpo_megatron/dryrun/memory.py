@@ -7,8 +7,9 @@ What one rank holds:
   padded embedding and output layer) in the training dtype; gradients in fp32 (megatron DDP's
   ``grad_reduce_in_fp32``); fp32 master weights and Adam's two moments (12 bytes a parameter,
   8 in fp32 training), divided by DP with the distributed optimizer. ``parallel.offload_learner``
-  moves it to host memory while the engine generates, and before a weight sync leaves only the
-  weights on the device (``learner.offload``: gradient buffers freed, optimizer state copied).
+  moves it to host memory before the engine wakes for a sync and through the generation after
+  it (``learner.offload``: gradient buffers freed, weights and optimizer state copied); the sync
+  streams from that host copy, one parameter on the device at a time.
 - activations: Korthikanti et al. (2022), 34*s*b*h bytes per layer and microbatch (s*b: the
   tokens of the largest microbatch, a packed row where the learner packs), divided by TP
   with sequence parallel (10 of the 34 stay replicated without it), with flash attention (no
@@ -371,7 +372,10 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     engine_asleep = 0.0 if r.sleep_between_phases else engine_awake
     offloaded = p.offload_learner != "never"
     learner_while_generating = 0.0 if offloaded else state
-    learner_at_sync = params_b if offloaded else state
+    # offloaded, a sync streams from the learner's host copy: one parameter on the device at a
+    # time (the largest: the vocabulary's shard, or a dense layer's gate and up projection)
+    largest_param = max(vocab_rows * h, 2 * spec.ffn_hidden_size * h / tp) * w
+    learner_at_sync = largest_param if offloaded else state
     stream = stream_bytes(spec, tp, p.pipeline, r.weight_bucket_mb << 20, cfg.model.dtype)
     reload = reload_bytes(spec, r.tensor_parallel, cfg.model.dtype, fp8) if vllm else 0.0
     sync_sharded, sync = sync_bytes(cfg, spec, total, experts)

@@ -73,7 +73,9 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
 
     Tensors cross pipeline stages in buckets of at most ``bucket_bytes`` (one flat broadcast per
     bucket); a tensor larger than a bucket travels alone. ``tensor_of`` picks what is streamed for
-    each parameter: its value (default) or, for tests and diagnostics, e.g. ``lambda p: p.main_grad``.
+    each parameter: its value (default), the learner's host copy of it while the learner is
+    offloaded (``Learner.host_tensor``: moved to the device one parameter at a time, as it is
+    streamed), or, for tests and diagnostics, e.g. ``lambda p: p.main_grad``.
 
     Device memory beyond the model: one bucket, or the one tensor larger than a bucket that
     travels alone (the vocabulary's: 2.1 GB at 70B in bf16), held once: a TP gather of a
@@ -108,8 +110,8 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
             box = [meta]
             dist.broadcast_object_list(box, src=pp_ranks[stage], group=pp_group)
             meta = box[0]
-        produced = _produce(mine, tensor_of, spec, tp_size, tp_group, ep,
-                            tp_rank if sharded else None) if owner else None
+        produced = _produce(mine, lambda p: tensor_of(p).to(device), spec, tp_size, tp_group,
+                            ep, tp_rank if sharded else None) if owner else None
         for bucket in _buckets(meta, bucket_bytes):
             if owner:
                 tensors = [next(produced) for _ in bucket]

@@ -460,14 +460,18 @@ class Learner:
 
     # ------------------------------------------------------------------ memory
 
-    def offload(self, keep_weights: bool = False) -> OffloadStats:
-        """Free the learner's accelerator memory: gradient buffers freed, optimizer state (and,
-        unless ``keep_weights``, the weights) copied to the host (``offload.HostOffload``)."""
-        return self._host.offload(keep_weights)
+    def offload(self) -> OffloadStats:
+        """Free the learner's accelerator memory: gradient buffers freed, optimizer state and
+        weights copied to the host (``offload.HostOffload``)."""
+        return self._host.offload()
 
     def onload(self) -> OffloadStats:
         """Bring the learner back, bit for bit, before the next update or weight sync."""
         return self._host.onload()
+
+    def host_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """A weight's host copy, offloaded: what a sync streams (``HostOffload.host_tensor``)."""
+        return self._host.host_tensor(param)
 
     @property
     def offloaded(self) -> bool:
@@ -476,9 +480,8 @@ class Learner:
 
     @property
     def on_device(self) -> str:
-        """What of the learner is on its device: 'all', 'weights' (offloaded for a sync) or
-        'nothing'."""
-        return {"device": "all", "weights": "weights", "host": "nothing"}[self._host.state]
+        """What of the learner is on its device: 'all' or 'nothing' (offloaded)."""
+        return {"device": "all", "host": "nothing"}[self._host.state]
 
     @property
     def host_bytes(self) -> int:

@@ -2,12 +2,11 @@
 
 Mu-GRPO alternates a generation stage and an optimization stage, so the learner's weights,
 gradient buffers and optimizer state need not sit in accelerator memory while the engine samples.
-``HostOffload`` frees them there and restores them, bit for bit, before the next update. In two
-steps, because a weight sync needs the weights and nothing else: ``offload(keep_weights=True)``
-before a sync frees the gradient buffers and moves the optimizer's state (fp32 master weights,
-Adam's moments) to the host, so that the engine's woken weights sit beside the learner's weights
-alone (at the 30B-A3B config: 9.6 of 50 GiB of learner state); ``offload()`` then moves the
-weights too, for generation.
+``HostOffload`` frees them there before the engine's weights wake for a sync, and restores them,
+bit for bit, before the next update. A sync in between reads each weight from the host copy
+(``host_tensor``), so the engine's woken weights never sit beside the learner's: at DeepSeek-V3's
+config that is the 8.7 GiB of a rank's weights less at the sync. (It used to go in two steps,
+the weights kept on the device for the sync; slime streams from the host copy too.)
 
 It works on storages, not on tensors. Megatron's model is a web of views: DDP keeps parameters
 and gradients inside contiguous buffers (``param_data``, ``grad_data``; ``param.main_grad`` is a
@@ -106,10 +105,12 @@ class HostOffload:
         self._chunks = model_chunks
         self._optimizer = optimizer
         self._moved: list[tuple[torch.UntypedStorage, int, list | None]] = []
+        self._on_host: dict[int, tuple[list, int, torch.Tensor]] = {}
+        """Each model parameter whose weights are on the host: id -> (its storage's pieces,
+        its first byte in the storage, itself), for ``host_tensor``."""
         self.pool = HostPool(chunk)
         self.state = "device"
-        """'device' (everything on the accelerator), 'weights' (only the weights there: before
-        a sync) or 'host' (nothing there)."""
+        """'device' (everything on the accelerator) or 'host' (nothing there)."""
 
     @property
     def offloaded(self) -> bool:
@@ -153,20 +154,14 @@ class HostOffload:
         """Bytes of the learner's storages currently allocated on its device."""
         return sum(s.nbytes() for kind in self._storages().values() for s in kind)
 
-    def offload(self, keep_weights: bool = False) -> OffloadStats:
-        """Free the gradient buffers and copy the optimizer's state to the host, then, unless
-        ``keep_weights``, the weights too (after an earlier ``keep_weights`` offload, only
-        them)."""
-        want = "weights" if keep_weights else "host"
-        if self.state in (want, "host"):
-            raise RuntimeError(f"the learner is already offloaded ({self.state})")
+    def offload(self) -> OffloadStats:
+        """Free the gradient buffers and copy the optimizer's state and the weights to the host
+        (each weight's place noted for ``host_tensor``)."""
+        if self.state == "host":
+            raise RuntimeError("the learner is already offloaded")
         t0 = time.perf_counter()
         kinds = self._storages()
-        if self.state == "weights":  # the second step: what a sync needed
-            keep, drop = kinds["weights"], []
-        else:
-            keep = kinds["optimizer"] + ([] if keep_weights else kinds["weights"])
-            drop = kinds["grads"]
+        keep, drop = kinds["optimizer"] + kinds["weights"], kinds["grads"]
         placed = self._place([s.nbytes() for s in keep],
                              pin=any(s.device.type == "cuda" for s in keep))
         new = []
@@ -177,21 +172,53 @@ class HostOffload:
                     src[start:start + length], non_blocking=True)
             new.append((storage, src.numel(), pieces))
         new += [(s, s.nbytes(), None) for s in drop]
+        self._note_parameters(new)
         _synchronize()
         for storage, _, _ in new:
             storage.resize_(0)
-        self._moved += new
+        self._moved = new
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self.state = want
+        self.state = "host"
         return OffloadStats(sum(n for _, n, p in new if p is not None),
                             sum(n for _, n, _ in new), time.perf_counter() - t0)
 
+    def _note_parameters(self, moved: list[tuple[torch.UntypedStorage, int, list | None]]) -> None:
+        """Where each model parameter's bytes go on the host (before its storage is freed)."""
+        pieces_at = {storage.data_ptr(): pieces for storage, _, pieces in moved
+                     if pieces is not None}
+        for chunk in self._chunks:
+            for param in chunk.parameters():
+                pieces = pieces_at.get(param.untyped_storage().data_ptr())
+                if pieces is not None and param.is_contiguous():
+                    start = param.storage_offset() * param.element_size()
+                    self._on_host[id(param)] = (pieces, start, param)
+
+    def host_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s values as the host copy holds them while the learner is offloaded (the
+        weights too): a tensor on the host of its dtype and shape, a view into the pinned
+        chunk where its bytes lie in one (no copy), else assembled from the pieces. What a
+        weight sync streams from, so that the learner's weights need not be on the device
+        beside the engine's (``handoff``); a caller moves it to the device one tensor at a
+        time."""
+        if self.state != "host" or id(param) not in self._on_host:
+            raise RuntimeError(f"host_tensor: this parameter is not in the learner's host copy "
+                               f"(the learner's state is {self.state!r})")
+        pieces, start, _ = self._on_host[id(param)]
+        nbytes = param.numel() * param.element_size()
+        parts = []
+        for index, offset, length, at in pieces:  # the pieces overlapping [start, start + n)
+            lo, hi = max(start, at), min(start + nbytes, at + length)
+            if lo < hi:
+                parts.append(self.pool.chunks[index][offset + lo - at:offset + hi - at])
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if flat.storage_offset() % param.element_size():  # not aligned for a view: copy
+            flat = flat.clone()
+        return flat.view(param.dtype).view(param.shape)
+
     def _place(self, sizes: list[int], pin: bool) -> list[list[tuple[int, int, int, int]]]:
-        """Pool pieces (chunk, offset, length, start in the storage) for storages of ``sizes``
-        bytes, laid after those an earlier step of this offload moved."""
-        earlier = [n for _, n, p in self._moved if p is not None]
-        return _with_starts(self.pool.place(earlier + sizes, pin=pin)[len(earlier):])
+        """Pool pieces (chunk, offset, length, start in the storage) for storages of ``sizes``."""
+        return _with_starts(self.pool.place(sizes, pin=pin))
 
     def onload(self) -> OffloadStats:
         """Re-allocate every storage on the device and copy the host bytes back in."""
@@ -212,6 +239,7 @@ class HostOffload:
         _synchronize()
         allocated = sum(n for _, n, _ in self._moved)
         self._moved = []
+        self._on_host = {}
         self.state = "device"
         return OffloadStats(copied, allocated, time.perf_counter() - t0)
 

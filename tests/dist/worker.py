@@ -159,19 +159,21 @@ def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
     untouched = all(torch.equal(before[k], after[k]) for k in before) and \
         checksum == optimizer_checksum(learner)
     offload = {}
-    if offload_too:  # in the trainer's two steps: for a sync (weights kept), then for generation
+    if offload_too:  # as the trainer does before a sync: all of it to the host
         from mugrpo_megatron.learner.offload import HostPool
 
         learner._host.pool = HostPool(chunk=1 << 12)  # small chunks: every storage spans several
         before_bytes = learner.resident_bytes()
-        weights = sum(s.nbytes() for s in learner._host._storages()["weights"])
-        for_sync = learner.offload(keep_weights=True)
-        at_sync = learner.resident_bytes()
+        on_device_stream = hf_state(learner)
         out_stats = learner.offload()
+        # a sync streams from the host copy, one parameter at a time: the same tensors, bit for
+        # bit, with nothing of the learner on the device
+        from_host = hf_state(learner, tensor_of=learner.host_tensor)
         offload = {"resident_before": before_bytes, "resident_offloaded": learner.resident_bytes(),
-                   "weights": weights, "resident_at_sync": at_sync, "on_device_at_sync": "weights",
-                   "freed": for_sync.bytes_freed + out_stats.bytes_freed,
-                   "copied": for_sync.bytes_copied + out_stats.bytes_copied,
+                   "on_device_at_sync": learner.on_device,
+                   "host_stream_equal": sorted(from_host) == sorted(on_device_stream) and all(
+                       torch.equal(from_host[k], on_device_stream[k]) for k in from_host),
+                   "freed": out_stats.bytes_freed, "copied": out_stats.bytes_copied,
                    "host_bytes": learner.host_bytes, "requested": learner._host.pool.requested}
         in_stats = learner.onload()
         offload.update(resident_after=learner.resident_bytes(), restored=in_stats.bytes_freed)
