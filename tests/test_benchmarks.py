@@ -228,3 +228,17 @@ def test_router_gap_quick(tmp_path):
     for row in rows.values():
         assert row["before"]["tokens"] > 0 and 0 < row["after"]["mean"] < 1
         assert len(row["losses"]) == 2 and all(abs(x) < 1e3 for x in row["losses"])
+
+
+def test_fp8_weight_gap_quick(tmp_path):
+    """benchmarks/fp8_weight_gap.py --quick: responses of a tiny model scored with float32,
+    bf16 and block-FP8 weights; FP8's rounding (3 mantissa bits against bf16's 7) moves the
+    log-probs more than bf16's, and neither moves them by nothing."""
+    out = tmp_path / "fp8.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "benchmarks/fp8_weight_gap.py", "--quick", "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["tokens"] == 64 and 0 < row["bf16"]["mean"] < row["fp8"]["mean"] < 1
