@@ -70,7 +70,6 @@ class Handoff:
         self.engine_has: int | None = None
         """The learner update whose weights the engines hold (None: none of the learner's)."""
 
-
     @contextmanager
     def learner_offloaded(self, rec: PhaseRecord | None = None):
         """The learner's weights and optimizer state in host memory while the engine works
