@@ -25,7 +25,7 @@ rank 0 by pickle, ``Sample`` objects, one parquet file, the whole list broadcast
 as it was (the package no longer has it).
 
     python benchmarks/phase_scale.py                      # 10^4, 10^5, 10^6 and the old path at 10^5
-    python benchmarks/phase_scale.py --quick              # 2x10^3 and 2x10^4 (the test suite's);
+    python benchmarks/phase_scale.py --quick              # 2x10^3 and 8x10^3 (the test suite's);
                                                           # exits 1 if a size fails to run
 """
 
@@ -312,10 +312,10 @@ def main() -> int:
     ap.add_argument("--work-dir", default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "phase_scale.json"))
     ap.add_argument("--quick", action="store_true",
-                    help="2x10^3 and 2x10^4 responses, no old path")
+                    help="2x10^3 and 8x10^3 responses, no old path")
     args = ap.parse_args()
     if args.quick:
-        args.sizes, args.old_path, args.updates = [2_000, 20_000], 0, 16
+        args.sizes, args.old_path, args.updates = [2_000, 8_000], 0, 16
         args.out = str(Path(tempfile.gettempdir()) / "phase_scale_quick.json")
     step, step_source = learner_step_s(args)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:

@@ -23,7 +23,7 @@ paths share), seconds until the prompts are ready, and seconds to read a phase's
 
     python benchmarks/prompt_scale.py                        # 10^4, 10^5, 10^6 (new path)
     python benchmarks/prompt_scale.py --old-path 100000 --old-tree /tmp/old
-    python benchmarks/prompt_scale.py --quick                # 2x10^3 and 2x10^4 (the suite's)
+    python benchmarks/prompt_scale.py --quick                # 2x10^3 and 8x10^3 (the suite's)
 """
 
 from __future__ import annotations
@@ -144,14 +144,14 @@ def main() -> int:
     ap.add_argument("--old-tree", default=None, help="import the old path's package from here")
     ap.add_argument("--work-dir", default=None, help="where the data files go (default: a tmp dir)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prompt_scale.json"))
-    ap.add_argument("--quick", action="store_true", help="2x10^3 and 2x10^4 prompts")
+    ap.add_argument("--quick", action="store_true", help="2x10^3 and 8x10^3 prompts")
     ap.add_argument("--rank-spec", help=argparse.SUPPRESS)  # one rank of a run (under torchrun)
     args = ap.parse_args()
     if args.rank_spec:
         rank_main(args.rank_spec)
         return 0
     if args.quick:
-        args.sizes = "2000,20000"
+        args.sizes = "2000,8000"
         args.out = str(Path(tempfile.gettempdir()) / "prompt_scale_quick.json")
     os.environ.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                       HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")

@@ -148,7 +148,7 @@ def test_save_memory_quick_measures_both_layouts():
 
 def test_prompt_scale_quick_opens_the_prompt_file_on_two_ranks(tmp_path):
     """benchmarks/prompt_scale.py --quick: two gloo ranks open the training prompts at 2x10^3 and
-    2x10^4 prompts (rank 0 tokenizes them into the run directory) and again as a resume (the file
+    8x10^3 prompts (rank 0 tokenizes them into the run directory) and again as a resume (the file
     reused); it exits 1 unless both ranks read the same prompts. RSS is printed, not asserted."""
     proc = subprocess.run([sys.executable, "benchmarks/prompt_scale.py", "--quick",
                            "--work-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
