@@ -298,7 +298,7 @@ def reload_bytes(spec: ModelSpec, engine_tp: int, dtype: str, fp8: bool = False)
     return module * (1 + 1 / engine_tp) + vocab
 
 
-def sync_bytes(cfg: Config, spec: ModelSpec, total: float, experts: float) -> tuple[bool, float]:
+def sync_bytes(cfg: Config, spec: ModelSpec, total: float) -> tuple[bool, float]:
     """(whether the stream is sharded, the bytes one rank receives a sync), as
     ``learner.export.iter_hf_tensors`` sends them: every tensor whole, or, where vLLM runs spmd
     at the learner's TP (``handoff.engine_sharded``), the projections and the experts' slices
@@ -378,7 +378,7 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     learner_at_sync = largest_param if offloaded else state
     stream = stream_bytes(spec, tp, p.pipeline, r.weight_bucket_mb << 20, cfg.model.dtype)
     reload = reload_bytes(spec, r.tensor_parallel, cfg.model.dtype, fp8) if vllm else 0.0
-    sync_sharded, sync = sync_bytes(cfg, spec, total, experts)
+    sync_sharded, sync = sync_bytes(cfg, spec, total)
     reference = bool(cfg.algo.kl_coef) and cfg.algo.kl_target == "reference"
     # a no-grad forward keeps one layer's activations at a time, and its logits (no copy for
     # a backward): the reference's weights in the learner's storages, its own state on the host

@@ -119,8 +119,8 @@ def engine_fp8_problem(spec: ModelSpec, tp: int,
     (each part of a merged q/k/v or gate/up) and every row-parallel input size a multiple of the
     block, and ``validate_fp8_block_shape_moe`` each expert's intermediate size a rank (with
     expert parallelism, which this stack does not start, the experts would stay whole).
-    Qwen3-235B's experts (1536) split into 192 columns at TP 8: refused, as vLLM refuses the
-    published Qwen3-235B-A22B-FP8 there."""
+    Qwen3-235B's experts (1536) split into 192 columns at TP 8: refused (checked against
+    vLLM's own validators in tests/test_fp8_rollout.py)."""
     bn, bk = block
     parts: list[tuple[str, float, int]] = []  # (what, size a rank, the block it must divide)
     if spec.mla is None:
