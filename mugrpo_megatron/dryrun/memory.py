@@ -67,6 +67,7 @@ from dataclasses import dataclass
 
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.layout import context_comm_type, pack_capacity, packs_with, token_multiple
+from mugrpo_megatron.layout.shapes import ENGINE_FP8_BLOCK
 from mugrpo_megatron.models.hf_config import ModelSpec
 
 GIB = 1 << 30
@@ -219,7 +220,7 @@ class EngineTensors:
     @classmethod
     def of(cls, spec: ModelSpec, tp: int, dtype: str, fp8: bool = False) -> EngineTensors:
         w, h = BYTES[dtype], spec.hidden_size
-        linear_w = 1 + 4 / (128 * 128) if fp8 else w
+        linear_w = 1 + 4 / math.prod(ENGINE_FP8_BLOCK) if fp8 else w  # and a float32 scale
         vocab = math.ceil(spec.vocab_size / (64 * tp)) * 64  # VocabParallelEmbedding's padding
         attention = [(n, linear_w) for _, n in spec.attention_tensors(tp)] + [(h, w), (h, w)]
         if spec.mla is not None:  # the latents' norms

@@ -98,14 +98,9 @@ def quantize_stream(weights: Iterable[tuple[str, torch.Tensor]],
         if is_quantized(name, tensor):
             q, scale_inv = quantize_blocks(tensor, block)
             yield name, q
-            yield name.removesuffix("weight") + SCALE_SUFFIX, scale_inv.to(tensor.device)
+            yield name.removesuffix("weight") + SCALE_SUFFIX, scale_inv
         else:
             yield name, tensor
-
-
-def fp8_bytes(rows: int, cols: int, block: tuple[int, int] = BLOCK) -> int:
-    """Bytes of one linear weight in block FP8: a byte an element and a float32 a block."""
-    return rows * cols + 4 * math.ceil(rows / block[0]) * math.ceil(cols / block[1])
 
 
 def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
