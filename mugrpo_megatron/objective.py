@@ -17,15 +17,13 @@ import math
 import torch
 
 from mugrpo_megatron import chunked
+from mugrpo_megatron.config.algo import (  # the knobs' values (there: no torch in the config)
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    VETO_SCOPES,
+)
 from mugrpo_megatron.loss_metrics import loss_metrics
 
-VETO_SCOPES: tuple[str, ...] = ("none", "trigger", "suffix", "suffix_no_trigger", "sequence", "prefix")
-LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                      "seq-mean-token-sum-norm")
-"""How token losses become the minibatch's loss (verl's ``loss_agg_mode`` names)."""
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
-"""Schulman's estimators of KL(pi_theta || pi_ref) from the sampled token's log-probs: verl's
-``kl`` / ``mse`` / ``low_var_kl``."""
 K3_LOG_RATIO_CLAMP = 20.0
 """k3 clamps log(pi_ref / pi_theta) to +-20 before exponentiating (verl, TRL)..."""
 K3_CLAMP = 10.0

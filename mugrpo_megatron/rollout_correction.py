@@ -44,12 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mugrpo_megatron.config.algo import IS_LEVELS, RS_LEVELS  # noqa: F401 - re-exported
+
 LOG_BOUND = 20.0
 """|log w| is clamped to this before exp() (exp(20) ~ 4.9e8)."""
-IS_LEVELS = ("token", "sequence")
-"""``algo.rollout_is``'s values (null: off)."""
-RS_LEVELS = ("token", "sequence", "geometric")
-"""``algo.rollout_rs``'s values (null: off)."""
 
 
 @dataclass(frozen=True)

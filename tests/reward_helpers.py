@@ -23,6 +23,14 @@ def sleepy_reward(completion: str, answer: str) -> float:
     return 1.0 if completion == answer else 0.0
 
 
+def heavy_modules_reward(completion: str, answer: str) -> float:
+    """1.0 while the reward worker that runs it holds none of the modules named in
+    ``completion`` (space-separated), else 0.0."""
+    import sys
+
+    return float(not any(name in sys.modules for name in completion.split()))
+
+
 def broken_reward(completion: str, answer: str) -> float:
     if completion == "boom":
         raise RuntimeError("reward function failed")

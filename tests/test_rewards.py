@@ -120,6 +120,16 @@ def test_scorer_kills_hung_reward_and_reports_errors():
         RewardScorer(RewardConfig(num_workers=1)).score(["a", "b", "c"], ["a", "b"])
 
 
+def test_reward_workers_do_not_import_torch():
+    """A reward worker imports the scorer, the config and the reward's module, never torch,
+    megatron or vLLM (the config's knob values used to come from the objective, which is torch:
+    1.7 s of CPU and ~300 MB a worker, times every worker of every rank)."""
+    cfg = RewardConfig(name="reward_helpers:heavy_modules_reward", timeout_s=30.0, num_workers=1)
+    with RewardScorer(cfg) as scorer:
+        out = scorer.score(["torch megatron vllm", "json"], ["", ""])
+    assert out.rewards == [1.0, 0.0], out  # json: the check sees what the worker imported
+
+
 def test_example_reward_plugs_in_by_dotted_path():
     cfg = RewardConfig(name="examples.exact_match_reward:exact_last_line", timeout_s=10.0,
                        num_workers=1)

@@ -9,8 +9,22 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from mugrpo_megatron.config.section import Section
-from mugrpo_megatron.objective import KL_ESTIMATORS, LOSS_AGGREGATIONS, VETO_SCOPES
-from mugrpo_megatron.rollout_correction import IS_LEVELS, RS_LEVELS
+
+# The values of the objective's knobs. Here, not beside the code that reads them
+# (``objective``, ``rollout_correction``: torch), so that importing the config costs no torch: a
+# reward worker process imports it (1.7 s of CPU and ~300 MB a worker when it took torch too).
+VETO_SCOPES: tuple[str, ...] = ("none", "trigger", "suffix", "suffix_no_trigger", "sequence", "prefix")
+"""``algo.veto_scope``'s values."""
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                      "seq-mean-token-sum-norm")
+"""How token losses become the minibatch's loss (verl's ``loss_agg_mode`` names)."""
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+"""Schulman's estimators of KL(pi_theta || pi_ref) from the sampled token's log-probs: verl's
+``kl`` / ``mse`` / ``low_var_kl``."""
+IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+"""``algo.rollout_is``'s values (null: off)."""
+RS_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+"""``algo.rollout_rs``'s values (null: off)."""
 
 
 @dataclass(frozen=True)
