@@ -20,20 +20,47 @@ LAYOUTS = {"tp1": (1, []), "tp2": (2, ["parallel.tensor=2"]), "pp2": (2, ["paral
            "dp2": (2, []), "cp2": (2, ["parallel.context=2"])}
 
 
+BF16 = ["model.dtype=bfloat16"]
+# Every run the tests read: name -> (mode, layout, updates before the save, checkpoint read or
+# written, extra overrides). Saves come first; a load reads a save's checkpoint.
+JOBS = {
+    "saved_2": ("save", "tp2", 2, "ckpt_2", []),  # the uninterrupted runs, saved in TP2
+    "saved_0": ("save", "tp2", 0, "ckpt_0", []),
+    "saved_cp2": ("save", "cp2", 2, "ckpt_cp2", []),
+    "saved_dp2": ("save", "dp2", 2, "ckpt_dp2", []),
+    "saved_bf16": ("save", "dp2", 2, "ckpt_bf16", BF16),
+    **{f"resaved_{layout}": ("resave", layout, 2, "ckpt_2", []) for layout in ("tp1", "pp2", "dp2",
+                                                                              "cp2")},
+    **{f"resumed_2_{layout}": ("resume", layout, 2, "ckpt_2", []) for layout in ("tp1", "pp2",
+                                                                                "dp2", "cp2")},
+    **{f"resumed_0_{layout}": ("resume", layout, 0, "ckpt_0", []) for layout in ("tp1", "pp2",
+                                                                                "dp2")},
+    "resumed_cp2_tp1": ("resume", "tp1", 2, "ckpt_cp2", []),
+    "resaved_bf16": ("resave", "tp2", 2, "ckpt_bf16", BF16),
+}
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    """Every run of ``JOBS``, in three launches (start-up is most of a run's cost): the saves
+    at 2 ranks, then the loads at 1 rank and at 2."""
     d = tmp_path_factory.mktemp("ckpt")
     make_batch(d / "batch.safetensors")
     hf = make_tiny_checkpoint(d / "hf", "qwen2", seed=2, tie_embeddings=True)
+    for saves, nproc in ((True, 2), (False, 1), (False, 2)):
+        todo = [{"mode": mode, "ckpt": str(d / ckpt), "out": str(d / name), "steps": steps,
+                 "overrides": [f"model.path={hf}", *COMMON, *LAYOUTS[layout][1], *extra]}
+                for name, (mode, layout, steps, ckpt, extra) in JOBS.items()
+                if (mode == "save") == saves and LAYOUTS[layout][0] == nproc]
+        spec = d / f"{'saves' if saves else 'loads'}_{nproc}.json"
+        spec.write_text(json.dumps(todo))
+        torchrun(nproc, WORKER, str(d / "batch.safetensors"), str(spec), timeout=300 * len(todo))
     return d, hf
 
 
-def run(setup, mode, layout, name, steps, ckpt):
-    d, hf = setup
-    nproc, overrides = LAYOUTS[layout]
-    out = d / name
-    torchrun(nproc, WORKER, mode, str(hf), str(d / "batch.safetensors"), str(d / ckpt), str(out),
-             str(steps), *COMMON, *overrides)
+def result(setup, name):
+    """The weights after the last update and result.json of run ``name`` of ``JOBS``."""
+    out = setup[0] / name
     return load_file(str(out / "weights.safetensors")), json.loads((out / "result.json").read_text())
 
 
@@ -50,21 +77,11 @@ def full_state(ckpt, tmp):
     return full, common["optimizer"]["optimizer"]["param_groups"]
 
 
-def saved_in_tp2(setup, steps):
-    """The TP2 run that saves after ``steps`` updates (once a module: two tests read it)."""
-    d, _ = setup
-    if not (d / f"saved_{steps}" / "result.json").exists():
-        run(setup, "save", "tp2", f"saved_{steps}", steps, f"ckpt_{steps}")
-    return load_file(str(d / f"saved_{steps}" / "weights.safetensors")), \
-        json.loads((d / f"saved_{steps}" / "result.json").read_text())
-
-
 def test_optimizer_state_survives_a_layout_change_bit_for_bit(setup):
     """Adam's moments, the fp32 master weights and the step count, saved in TP2 after 2 updates,
     loaded into TP1 / PP2 / DP2 and saved again, are the same bits (AReaL#1468: a megatron-core
     release that loaded a checkpoint and silently dropped the Adam moments)."""
     d, _ = setup
-    saved_in_tp2(setup, 2)
     ref, ref_groups = full_state(d / "ckpt_2", d / "ref.pt")
     optim = {k: v for k, v in ref.items() if k.startswith("optimizer.state.")}
     # the model-space layout: fp32 master weights and both moments of every parameter, written
@@ -73,11 +90,7 @@ def test_optimizer_state_survives_a_layout_change_bit_for_bit(setup):
     assert all(v.abs().sum() > 0 for k, v in optim.items() if ".exp_avg" in k)  # two real steps
     assert {g["step"] for g in ref_groups} == {2}
     for layout in ("tp1", "pp2", "dp2", "cp2"):
-        nproc, overrides = LAYOUTS[layout]
-        out = d / f"resaved_{layout}"
-        torchrun(nproc, WORKER, "resave", str(setup[1]), str(d / "batch.safetensors"),
-                 str(d / "ckpt_2"), str(out), "2", *COMMON, *overrides)
-        got, groups = full_state(out / "ckpt", d / f"{layout}.pt")
+        got, groups = full_state(d / f"resaved_{layout}" / "ckpt", d / f"{layout}.pt")
         assert [g["step"] for g in groups] == [g["step"] for g in ref_groups], layout
         for k, v in optim.items():
             assert got[k].dtype == v.dtype and torch.equal(got[k], v), (layout, k)
@@ -85,9 +98,9 @@ def test_optimizer_state_survives_a_layout_change_bit_for_bit(setup):
 
 @pytest.mark.parametrize("steps", [2, 0])
 def test_resume_in_another_layout(setup, steps):
-    ref_w, ref = saved_in_tp2(setup, steps)
+    ref_w, ref = result(setup, f"saved_{steps}")
     for layout in ("tp1", "pp2", "dp2", *(("cp2",) if steps else ())):  # CP: once is enough
-        got_w, got = run(setup, "resume", layout, f"resumed_{steps}_{layout}", steps, f"ckpt_{steps}")
+        got_w, got = result(setup, f"resumed_{steps}_{layout}")
         assert got["losses"][-1] == pytest.approx(ref["losses"][-1], abs=1e-6), layout
         assert got["lr"] == pytest.approx(ref["lr"]), layout  # the LR schedule resumed too
         for name, w in ref_w.items():
@@ -98,9 +111,8 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1(setup):
     """Saved with each sequence split over two context-parallel ranks (the distributed
     optimizer sharded over DP x CP) after 2 updates, resumed in one rank: the next update's
     loss, the LR and the weights are the TP2-saved run's (the reverse, TP2 into CP2, is above)."""
-    ref_w, ref = saved_in_tp2(setup, 2)
-    run(setup, "save", "cp2", "saved_cp2", 2, "ckpt_cp2")
-    got_w, got = run(setup, "resume", "tp1", "resumed_cp2_tp1", 2, "ckpt_cp2")
+    ref_w, ref = result(setup, "saved_2")
+    got_w, got = result(setup, "resumed_cp2_tp1")
     assert got["losses"][-1] == pytest.approx(ref["losses"][-1], abs=1e-6)
     assert got["lr"] == pytest.approx(ref["lr"])
     for name, w in ref_w.items():
@@ -116,7 +128,6 @@ def test_each_rank_writes_only_its_own_optimizer_shard(setup):
     from torch.distributed.checkpoint import FileSystemReader
 
     d, _ = setup
-    run(setup, "save", "dp2", "saved_dp2", 2, "ckpt_dp2")
     meta = FileSystemReader(str(d / "ckpt_dp2")).read_metadata()
     written: dict[str, int] = {}
     for index, info in meta.storage_data.items():
@@ -136,12 +147,7 @@ def test_bf16_optimizer_state_survives_a_layout_change_bit_for_bit(setup):
     at DP2 (each rank its half of the state, the model-space layout as compat_megatron part 5
     describes its ranges) and saved again at TP2, the master weights and both moments are the
     same bits, and the saved bf16 weights are the master weights rounded."""
-    d, hf = setup
-    bf16 = [*COMMON, "model.dtype=bfloat16"]
-    torchrun(2, WORKER, "save", str(hf), str(d / "batch.safetensors"), str(d / "ckpt_bf16"),
-             str(d / "saved_bf16"), "2", *bf16)
-    torchrun(2, WORKER, "resave", str(hf), str(d / "batch.safetensors"), str(d / "ckpt_bf16"),
-             str(d / "resaved_bf16"), "2", *bf16, "parallel.tensor=2")
+    d, _ = setup
     ref, ref_groups = full_state(d / "ckpt_bf16", d / "bf16_ref.pt")
     got, groups = full_state(d / "resaved_bf16" / "ckpt", d / "bf16_got.pt")
     optim = {k: v for k, v in ref.items() if k.startswith("optimizer.state.")}

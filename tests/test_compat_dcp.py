@@ -6,6 +6,7 @@ Defect 8: a truncated checkpoint or a missing common.pt ended in a raw traceback
 and resume did not fall back to the previous complete checkpoint."""
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -29,10 +30,13 @@ def saved(tmp_path_factory):
     d = tmp_path_factory.mktemp("verify")
     make_batch(d / "batch.safetensors")
     hf = make_tiny_checkpoint(d / "hf", "qwen2", seed=2, tie_embeddings=True)
-    torchrun(2, ROOT / "tests" / "dist" / "ckpt_worker.py", "save", str(hf),
-             str(d / "batch.safetensors"), str(d / "ckpt"), str(d / "out"), "1",
-             "parallel.micro_batch_size=2", "algo.samples_per_update=8", "algo.total_updates=8",
-             "algo.updates_per_phase=4")
+    (d / "jobs.json").write_text(json.dumps([{
+        "mode": "save", "ckpt": str(d / "ckpt"), "out": str(d / "out"), "steps": 1,
+        "overrides": [f"model.path={hf}", "parallel.micro_batch_size=2",
+                      "algo.samples_per_update=8", "algo.total_updates=8",
+                      "algo.updates_per_phase=4"]}]))
+    torchrun(2, ROOT / "tests" / "dist" / "ckpt_worker.py", str(d / "batch.safetensors"),
+             str(d / "jobs.json"))
     return d / "ckpt"
 
 

@@ -35,8 +35,9 @@ def read_hf(path):
 
 @pytest.mark.parametrize("family, opts, layout", [
     ("qwen2", {"tie_embeddings": True}, ["--tp", "2", "--pp", "2"]),
-    # the next three at 2 ranks (the suite's time): TP2 x PP2 is qwen2's, the 4-rank MoE
-    # layouts GLM-4.5's and DeepSeek-V3's
+    # the next three at 2 ranks and exported back at 1 rank only (the suite's time): the
+    # exports' gathers over TP, PP and EP run at TP2 x PP2 (qwen2's) and TP2 x EP2 (GLM-4.5's
+    # and DeepSeek-V3's)
     ("llama", {}, ["--pp", "2"]),
     ("qwen3_moe", {}, ["--tp", "2"]),  # experts split over TP (sequence parallel)
     ("mixtral", {}, ["--ep", "2"]),  # experts split over 2 ranks (EP2 in DP2)
@@ -53,10 +54,13 @@ def test_round_trip_bit_exact(tmp_path, family, opts, layout):
     convert(ranks, "--to", "megatron", "--hf-dir", str(hf), "--out", str(tmp_path / "meg"),
             *layout)
     convert(1, "--to", "hf", "--checkpoint", str(tmp_path / "meg"), "--out", str(tmp_path / "back1"))
-    convert(ranks, "--to", "hf", "--checkpoint", str(tmp_path / "meg"), "--out",
-            str(tmp_path / "backN"), *layout)
+    backs = ["back1"]
+    if ranks == 4:
+        convert(ranks, "--to", "hf", "--checkpoint", str(tmp_path / "meg"), "--out",
+                str(tmp_path / "backN"), *layout)
+        backs.append("backN")
     original = read_hf(hf)
-    for back in ("back1", "backN"):
+    for back in backs:
         got = read_hf(tmp_path / back)
         assert set(got) == set(original), set(got) ^ set(original)
         for name, t in original.items():

@@ -170,19 +170,20 @@ def jobs_for(family: str) -> dict[str, tuple[int, list[str], bool]]:
 
 def run(workdir, family, name):
     """The results of one run of ``jobs_for(family)``. The first test that needs a run starts
-    every run of its family with as many ranks that has no result yet, in one launch (start-up
-    is most of a run's cost here)."""
+    every run of every family with as many ranks that has no result yet, in one launch
+    (start-up is most of a run's cost here: one launch a rank count, not one a family)."""
     out = workdir / f"{family}_{name}"
     if not (out / "result.json").exists():
-        jobs = jobs_for(family)
-        nproc = jobs[name][0]
-        todo = [{"out": str(workdir / f"{family}_{n}"), "overrides": [*COMMON, *overrides],
-                 "offload": offload} for n, (ranks, overrides, offload) in jobs.items()
-                if ranks == nproc and not (workdir / f"{family}_{n}" / "result.json").exists()]
-        spec = workdir / f"{family}_{nproc}_jobs.json"
+        nproc = jobs_for(family)[name][0]
+        todo = [{"out": str(workdir / f"{fam}_{n}"),
+                 "overrides": [f"model.path={checkpoint(workdir, fam)}", *COMMON, *overrides],
+                 "offload": offload}
+                for fam in FAMILIES for n, (ranks, overrides, offload) in jobs_for(fam).items()
+                if ranks == nproc and not (workdir / f"{fam}_{n}" / "result.json").exists()]
+        spec = workdir / f"{nproc}_jobs.json"
         spec.write_text(json.dumps(todo))
-        torchrun(nproc, WORKER, str(checkpoint(workdir, family)),
-                 str(workdir / "batch.safetensors"), str(spec), timeout=300 * len(todo))
+        torchrun(nproc, WORKER, str(workdir / "batch.safetensors"), str(spec),
+                 timeout=300 * len(todo))
     return load_run(out)
 
 

@@ -1,10 +1,11 @@
 """Runs under torchrun: layouts of the learner on a tiny model, one after the other in one launch
 (each launch costs ~10 s of start-up on 2 cores); rank 0 saves what each measured.
 
-python -m torch.distributed.run --nproc_per_node N tests/dist/worker.py HF_DIR BATCH JOBS
+python -m torch.distributed.run --nproc_per_node N tests/dist/worker.py BATCH JOBS
 
 JOBS is a JSON file: a list of {"out": DIR, "overrides": [KEY=VALUE, ...], "offload": bool}, each
-a layout of N ranks. Between jobs megatron's parallel state is torn down and made again for the
+a layout of N ranks, its overrides naming the tiny checkpoint (``model.path``; jobs of several
+models may share a launch). Between jobs megatron's parallel state is torn down and made again for the
 next layout (the default process group stays). BATCH is a safetensors file with tokens,
 response_mask, behav_logp, advantages, ref_logp, is_weight (importance weights, ``algo.rollout_is``)
 and nan_behav (a copy of behav_logp with a NaN, whose step must be skipped). Each OUT gets tensors.safetensors (log-probs and entropy before the updates,
@@ -122,17 +123,16 @@ def group_timeouts() -> list[float]:
 def main() -> None:
     from megatron.core import parallel_state as mpu  # after the learner's own import of it
 
-    hf_dir, batch_path, jobs = sys.argv[1], sys.argv[2], json.loads(Path(sys.argv[3]).read_text())
+    batch_path, jobs = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
     for job in jobs:
-        run_layout(hf_dir, batch_path, Path(job["out"]), job["overrides"], job["offload"])
+        run_layout(batch_path, Path(job["out"]), job["overrides"], job["offload"])
         gc.collect()
         mpu.destroy_model_parallel()  # the next layout makes its own groups
     torch.distributed.destroy_process_group()
 
 
-def run_layout(hf_dir: str, batch_path: str, out: Path, overrides: list[str],
-               offload_too: bool) -> None:
-    cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32", *overrides])
+def run_layout(batch_path: str, out: Path, overrides: list[str], offload_too: bool) -> None:
+    cfg = load_config(None, ["model.dtype=float32", *overrides])
     learner = Learner.from_config(cfg)
     gemm_inputs = record_gemm_inputs(learner)
     b = load_file(batch_path)
