@@ -147,16 +147,29 @@ def test_two_phases_end_to_end_at_tp2(setup):
     assert (ref / "hf" / "model.safetensors.index.json").exists()  # checkpoint.export_hf
 
 
-def test_learner_offloaded_while_generating(setup):
-    """With the learner moved to host memory during every generation and evaluation, the run is
-    the same, update for update, as the one that kept it resident. So is a run that also scores
-    the held-out prompts inside phases (logging.eval_every_updates): the extra weight syncs change
+# One run serves two tests (start-up is most of a run's cost here): packed (parallel.pack_tokens)
+# and with the learner offloaded during every generation and evaluation
+# (parallel.offload_learner: always), scoring the held-out prompts inside phases too.
+PACKED_OFFLOADED = {"parallel.pack_tokens": 160, "parallel.offload_learner": "always",
+                    "logging.eval_every_updates": 4, **PHASE_END_SAVES}
+
+
+@pytest.fixture(scope="module")
+def packed_offloaded(setup):
+    d, hf, _ = setup
+    run_to_end(hf, d / "packed_offloaded", PACKED_OFFLOADED)
+    return d / "packed_offloaded"
+
+
+def test_learner_offloaded_while_generating(setup, packed_offloaded):
+    """With the learner moved to host memory during every generation and evaluation, and the
+    held-out prompts scored inside phases (logging.eval_every_updates), the run's updates are
+    the run's that kept it resident and scored none (to packing's 1e-5: the same run is packed;
+    test_learner checks the offload round trip bit for bit): the extra weight syncs change
     nothing of the phase's data."""
-    d, hf, ref = setup
-    run = d / "offload"
-    run_to_end(hf, run, {"parallel.offload_learner": "always", "logging.eval_every_updates": 4,
-                         **PHASE_END_SAVES})
-    assert losses(run) == losses(ref)
+    _, _, ref = setup
+    run = packed_offloaded
+    assert losses(run) == pytest.approx(losses(ref), abs=1e-5)
     evals = [(r["label"], r["update"]) for r in records(run) if r["kind"] == "eval"]
     assert evals == [("before", 0), ("update 4", 4), ("update 8", 8), ("after", 9)]
     phases = [r for r in records(run) if r["kind"] == "phase"]
@@ -225,7 +238,7 @@ packing.PackedRow.attention_mask = causal_across_sequences
 """
 
 
-def test_packed_training_is_checked_once_and_broken_packing_stops_the_run(setup):
+def test_packed_training_is_checked_once_and_broken_packing_stops_the_run(setup, packed_offloaded):
     """parallel.pack_tokens (megatron's local attention with a block-diagonal mask here, TE's THD
     attention on a GPU): the updates equal the padded run's, and the packed path is scored
     against the padded one once, at the run's first mismatch check (that phase's record alone
@@ -233,9 +246,8 @@ def test_packed_training_is_checked_once_and_broken_packing_stops_the_run(setup)
     check, before any update, saying how to turn packing off."""
     d, hf, ref = setup
     packed = {"parallel.pack_tokens": 160, **PHASE_END_SAVES}
-    run_to_end(hf, d / "packed", packed)
-    assert losses(d / "packed") == pytest.approx(losses(ref), abs=1e-5)
-    phases = [r for r in records(d / "packed") if r["kind"] == "phase"]
+    assert losses(packed_offloaded) == pytest.approx(losses(ref), abs=1e-5)
+    phases = [r for r in records(packed_offloaded) if r["kind"] == "phase"]
     assert ["pack_check_gap_mean" in p for p in phases] == [True, False, False]
     assert phases[0]["pack_check_gap_max"] < 1e-4, phases[0]
     hook = d / "leaky_packing"
