@@ -8,7 +8,7 @@ memory copy of the same bytes measured in the same run; medians of --repeats.
     torchrun --nproc_per_node 2 benchmarks/learner_and_sync.py --tp 2 --engine-tp 2 --out r.json
 
 With ``--engine-tp`` equal to ``--tp`` (vLLM spmd: each rank an engine TP rank, as the 7B and 70B
-configs run) the trainer's sync streams each rank its own shards (``handoff.engine_sharded``);
+configs run) the trainer's sync streams each rank its own shards (``handoff.sync_engine_tp``);
 the run then times both streams into the same engine, interleaved: the full tensors (every TP
 gather, as before) and each rank's shards (the bytes each rank then moves are counted by
 tests/test_collectives.py). GB/s are of the model's bytes either way.
@@ -33,7 +33,7 @@ from common import random_batch, summarize, table, write_json  # noqa: E402
 
 from mugrpo_megatron.config.loader import load_config  # noqa: E402
 from mugrpo_megatron.engines.fleet import EngineFleet  # noqa: E402
-from mugrpo_megatron.handoff import engine_sharded  # noqa: E402
+from mugrpo_megatron.handoff import sync_engine_tp  # noqa: E402
 from mugrpo_megatron.learner.export import iter_hf_tensors  # noqa: E402
 from mugrpo_megatron.learner.learner import Learner  # noqa: E402
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint  # noqa: E402
@@ -71,7 +71,8 @@ def main() -> None:
                                  "algo.updates_per_phase=4", "optim.lr=1e-5",
                                  f"rollout.tensor_parallel={args.engine_tp}"])
         learner = Learner.from_config(cfg)
-        sharded = engine_sharded(cfg.rollout, learner)
+        engine_tp = sync_engine_tp(cfg.rollout, learner)
+        sharded = engine_tp > 0
         bucket = cfg.rollout.weight_bucket_mb << 20
         engines = EngineFleet.start(cfg.rollout, path, dtype="float32", max_model_len=256)
         batch = random_batch(32, 32, 96, 4000)
@@ -99,7 +100,7 @@ def main() -> None:
                 dist.barrier()
                 t0 = time.perf_counter()
                 engines.update_weights(iter_hf_tensors(learner.chunks(), learner.spec,
-                                                       bucket_bytes=bucket, engine_sharded=True))
+                                                       bucket_bytes=bucket, engine_tp=engine_tp))
                 sharded_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             dst.copy_(src)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from mugrpo_megatron import distributed
 from mugrpo_megatron.config import RolloutConfig
 from mugrpo_megatron.engines.fleet import EngineFailed, EngineFleet
+from mugrpo_megatron.layout.shapes import engine_slices_problem
 from mugrpo_megatron.learner.export import iter_hf_tensors
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.metrics import MetricsLogger
@@ -37,32 +38,39 @@ from mugrpo_megatron.outputs import RunFailed
 from mugrpo_megatron.phase import PhaseRecord
 
 
-def engine_sharded(rollout: RolloutConfig, learner: Learner) -> bool:
-    """Whether each rank's engine keeps exactly its learner rank's TP shards, so a sync need not
-    gather them (``export.iter_hf_tensors(engine_sharded=True)``): vLLM placed spmd (every rank an
-    engine TP rank, replica groups of consecutive ranks: engine TP rank = rank mod TP) at the
-    learner's TP size, and megatron's TP rank the same on every rank (its default order puts TP
-    fastest). The last is checked on every rank and agreed on (one MIN all-reduce, at start):
-    the stream is collective, so every rank takes the same path."""
-    tp = learner.layout.tp_size
-    if not (rollout.spmd and rollout.tensor_parallel == tp > 1):
-        return False
+def sync_engine_tp(rollout: RolloutConfig, learner: Learner) -> int:
+    """The engine TP size a sync streams each rank's engine slices for
+    (``export.iter_hf_tensors(engine_tp=...)``), or 0 where every rank needs every tensor whole.
+    vLLM placed spmd (every rank an engine TP rank, replica groups of consecutive ranks: engine
+    TP rank = rank mod its TP) at a TP of at least 2 that is the learner's (each rank's own
+    shards are its engine rank's: no gathers) or a multiple of it (``learner.engine_slices``:
+    each rank's slices come from the ranks that hold them), with megatron's TP rank rank mod the
+    learner's TP on every rank (its default order puts TP fastest). The last is checked on every
+    rank and agreed on (one MIN all-reduce, at start): the stream is collective, so every rank
+    takes the same path."""
+    tp, engine_tp = learner.layout.tp_size, rollout.tensor_parallel
+    if not (rollout.spmd and engine_tp > 1 and engine_tp % tp == 0):
+        return 0
+    if engine_tp > tp and engine_slices_problem(learner.spec, tp, engine_tp,
+                                                dist.get_world_size() // learner.parallel.pipeline):
+        return 0
     rank, _ = distributed.world()
     ok = torch.tensor(int(learner.layout.tp_rank == rank % tp), device=distributed.device())
     if dist.get_world_size() > 1:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
+    return engine_tp if ok.item() else 0
 
 
 class Handoff:
     def __init__(self, learner: Learner, offload: bool, bucket_bytes: int, log: MetricsLogger,
-                 rank0: bool, ckpt_dir: Path, sharded: bool = False):
+                 rank0: bool, ckpt_dir: Path, engine_tp: int = 0):
         self.learner = learner
         self.offload = offload
         """Whether the learner goes to host memory while the engines work
         (``parallel.offload_learner``)."""
-        self.sharded = sharded
-        """Whether a sync streams each rank its own shards (``engine_sharded``)."""
+        self.engine_tp = engine_tp
+        """The engine TP a sync streams each rank's engine slices for (``sync_engine_tp``; 0:
+        every tensor whole)."""
         self.bucket_bytes = bucket_bytes
         self.log, self.rank0, self.ckpt_dir = log, rank0, ckpt_dir
         self.engines: EngineFleet | None = None
@@ -112,7 +120,7 @@ class Handoff:
             from_host = {"tensor_of": self.learner.host_tensor}
         self.engines.wake(weights_only=True)  # a sleeping engine has no weights to update
         stream = iter_hf_tensors(self.learner.chunks(), self.learner.spec,
-                                 bucket_bytes=self.bucket_bytes, engine_sharded=self.sharded,
+                                 bucket_bytes=self.bucket_bytes, engine_tp=self.engine_tp,
                                  **from_host)
         try:
             self.engines.update_weights(stream)

@@ -28,7 +28,7 @@ from mugrpo_megatron.data.prompt_store import discard_staging, open_prompt_set
 from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.engines.fleet import EngineFailed, EngineFleet
 from mugrpo_megatron.evaluation import reported_k, score_eval, set_sampling
-from mugrpo_megatron.handoff import Handoff, engine_sharded
+from mugrpo_megatron.handoff import Handoff, sync_engine_tp
 from mugrpo_megatron.inputs import load_tokenizer, prepare_data
 from mugrpo_megatron.learner.checkpoint import load_learner, prune, save_learner, usable_checkpoint
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
@@ -96,7 +96,7 @@ class Trainer:
         self.handoff = Handoff(self.learner, off == "always" or (off == "auto" and
                                                                  torch.cuda.is_available()),
                                cfg.rollout.weight_bucket_mb << 20, self.log, self.rank0,
-                               self.ckpt_dir, engine_sharded(cfg.rollout, self.learner))
+                               self.ckpt_dir, sync_engine_tp(cfg.rollout, self.learner))
         if self.rank0:
             held = ", ".join(f"{n} {len(ps)}" for n, ps in self.eval_sets.items()) or "none"
             self.progress.note(f"data: {report.summary()}; held out: {held}")

@@ -49,11 +49,16 @@ def group_key(group) -> str:
 
 class CollectiveLog:
     """``with CollectiveLog() as log:`` records ``log.calls`` ({group key: [entry, ...]}) and
-    ``log.p2p`` ({(peer, 'send'|'recv'): [shape, ...]}) of this rank."""
+    ``log.p2p`` ({(peer, 'send'|'recv'): [shape, ...]}) of this rank; ``log.p2p_groups`` and
+    ``log.batched_peers`` say which of those went in batches, and on which groups."""
 
     def __init__(self):
         self.calls: dict[str, list] = {}
         self.p2p: dict[str, list] = {}
+        self.p2p_groups: set[str] = set()
+        """The groups of batched point-to-point ops (``batch_isend_irecv``)..."""
+        self.batched_peers: set[str] = set()
+        """...and their peers."""
         self._depth = threading.local()
         self._saved: dict[str, object] = {}
 
@@ -94,6 +99,11 @@ class CollectiveLog:
             for op in p2p_ops:  # batch_isend_irecv: each op is a send or a receive
                 way = "send" if op.op in (dist.isend, self._saved.get("isend")) else "recv"
                 self.p2p.setdefault(f"{op.peer}:{way}", []).append(_shape(op.tensor))
+                # NCCL runs a batch on its group's own communicator, not one a peer (torch
+                # ProcessGroupNCCL::pointToPoint: "For batch P2P, we need to treat it like a
+                # collective when selecting communicator")
+                self.p2p_groups.add(group_key(op.group))
+                self.batched_peers.add(str(op.peer))
             self._depth.n = getattr(self._depth, "n", 0) + 1
             try:
                 return fn(p2p_ops)
@@ -111,6 +121,12 @@ class CollectiveLog:
             wrapped[fn] = self._wrap_batch(fn) if name == "batch_isend_irecv" else \
                 self._wrap(name, fn)
             setattr(dist, name, wrapped[fn])
+        # P2POp checks its op against distributed_c10d's own isend / irecv: the wrapped ones
+        # there too, so that ops made with ``dist.isend`` inside the log are valid
+        from torch.distributed import distributed_c10d
+
+        for name in ("isend", "irecv"):
+            setattr(distributed_c10d, name, getattr(dist, name))
         # modules that took a function at import (megatron-core's tensor-parallel mappings and
         # layers, its DDP buffers: ``dist_all_gather_func = torch.distributed.
         # all_gather_into_tensor``, 0.16/0.19) call that reference, not the attribute
@@ -126,8 +142,12 @@ class CollectiveLog:
         return self
 
     def __exit__(self, *exc) -> None:
+        from torch.distributed import distributed_c10d
+
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
+            if name in ("isend", "irecv"):
+                setattr(distributed_c10d, name, fn)
         for mod, key, value in self._globals:
             setattr(mod, key, value)
 

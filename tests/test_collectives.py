@@ -49,6 +49,14 @@ LAYOUTS = {
 CASES = [(ranks, i) for ranks, jobs in LAYOUTS.items() for i in range(len(jobs))]
 
 
+def engine_at_twice_the_tp(overrides: list[str]) -> list[str]:
+    """vLLM spmd at twice the learner's TP (a replica over two learner TP groups, as Qwen3-235B's
+    engine at TP16 beside its learner at TP4): the worker then also streams each rank its engine
+    slices (``export_targeted``)."""
+    tp = next((int(o.split("=")[1]) for o in overrides if o.startswith("parallel.tensor=")), 1)
+    return ["rollout.placement=spmd", f"rollout.tensor_parallel={2 * tp}"]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     d = tmp_path_factory.mktemp("collectives")
@@ -59,7 +67,8 @@ def results(tmp_path_factory):
             hf = d / family
             if not (hf / "config.json").exists():
                 make_tiny_checkpoint(hf, family, seed=2)
-            spec.append({"hf_dir": str(hf), "overrides": [*COMMON, *overrides],
+            spec.append({"hf_dir": str(hf), "overrides": [*COMMON, *overrides,
+                                                          *engine_at_twice_the_tp(overrides)],
                          "out": str(d / f"{ranks}_{i}.json")})
         (d / f"jobs_{ranks}.json").write_text(json.dumps(spec))
         torchrun(ranks, WORKER, str(d / f"jobs_{ranks}.json"), timeout=900)
@@ -73,7 +82,7 @@ def results(tmp_path_factory):
 def test_every_group_member_issues_the_same_collectives(results, ranks, job):
     got = results[ranks, job]
     assert set(got["steps"]) == {"update_packed", "update_padded", "score_packed",
-                                 "score_padded", "export", "export_sharded"}
+                                 "score_padded", "export", "export_sharded", "export_targeted"}
     for step, r in got["steps"].items():
         assert mismatches(r["logs"]) == [], step
         calls = sum(len(c) for log in r["logs"] for c in log["calls"].values())
@@ -119,7 +128,7 @@ def test_the_dry_run_counts_every_communicator_a_rank_uses(results, ranks, job):
     from mugrpo_megatron.dryrun.memory import communicators
 
     _, _, overrides = LAYOUTS[ranks][job]
-    cfg = load_config(None, [*COMMON, *overrides])
+    cfg = load_config(None, [*COMMON, *overrides, *engine_at_twice_the_tp(overrides)])
     cfg = replace(cfg, model=replace(cfg.model, dtype="bfloat16", fp8_format="hybrid"))
     counted = communicators(cfg, cfg.parallel.data_parallel(ranks))
     learner = sum(v for k, v in counted.items() if k != "engine")
@@ -127,7 +136,11 @@ def test_the_dry_run_counts_every_communicator_a_rank_uses(results, ranks, job):
     for rank in range(ranks):
         groups = {key for r in got["steps"].values() for key, calls in
                   r["logs"][rank]["calls"].items() if calls and "," in key.split(":")[1]}
+        # batched point-to-point ops run on their group's communicator, others on one a peer
+        groups |= {key for r in got["steps"].values() for key in r["logs"][rank]["p2p_groups"]
+                   if "," in key.split(":")[1]}
         peers = {key.split(":")[0] for r in got["steps"].values() for key in r["logs"][rank]["p2p"]}
+        peers -= {p for r in got["steps"].values() for p in r["logs"][rank]["batched_peers"]}
         assert len(groups) + len(peers) <= learner, (rank, sorted(groups), peers, counted)
 
 
@@ -160,3 +173,29 @@ def test_a_sync_sends_each_rank_its_shards(results, ranks, job):
         print(f"rank {rank}: full stream sent {full[0]} B, received {full[1]} B; sharded sent "
               f"{mine[0]} B, received {mine[1]} B (projections {kept['projections']} B, other "
               f"{kept['other']} B, TP {tp})")
+
+
+@pytest.mark.parametrize("ranks, job", CASES, ids=[LAYOUTS[r][i][0].split(" ")[0]
+                                                   for r, i in CASES])
+def test_a_sync_into_a_wider_engine_sends_each_rank_its_slices(results, ranks, job):
+    """vLLM spmd at twice the learner's TP (issue 51: an engine replica over several learner TP
+    groups, Qwen3-235B's and DeepSeek-V3's engines at TP16 beside learners at TP4 and TP8):
+    each rank's stream holds exactly its engine rank's slice of every projection and expert
+    (zeros elsewhere; a KV head kept by as many engine ranks as vLLM replicates it over), every
+    other tensor bit for bit, and each rank receives at most 1/(engine TP) of the projections
+    and experts plus the tensors that travel whole, where the stream without it sent every
+    rank every tensor whole (the learner ranks that hold a slice send it point to point; bytes
+    counted from the collectives each rank issued)."""
+    got = results[ranks, job]
+    kept = got["kept_bytes"]
+    engine_tp = got["engine_tp"]
+    assert engine_tp == 2 * kept["tp"], got["engine_tp"]
+    assert got["targeted_as_engine_keeps"]
+    bound = kept["projections"] / engine_tp + kept["other"]
+    for rank in range(ranks):
+        full = bytes_moved(got["steps"]["export"]["logs"][rank], rank)
+        mine = bytes_moved(got["steps"]["export_targeted"]["logs"][rank], rank)
+        assert mine[1] <= bound, (rank, mine, bound, kept)
+        print(f"rank {rank}: full stream received {full[1]} B; the engine slices at engine TP "
+              f"{engine_tp} {mine[1]} B (projections {kept['projections']} B, other "
+              f"{kept['other']} B)")

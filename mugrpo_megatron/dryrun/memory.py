@@ -67,7 +67,7 @@ from dataclasses import dataclass
 
 from mugrpo_megatron.config import Config
 from mugrpo_megatron.layout import context_comm_type, pack_capacity, packs_with, token_multiple
-from mugrpo_megatron.layout.shapes import ENGINE_FP8_BLOCK
+from mugrpo_megatron.layout.shapes import ENGINE_FP8_BLOCK, engine_slices_problem
 from mugrpo_megatron.models.hf_config import ModelSpec
 
 GIB = 1 << 30
@@ -193,10 +193,14 @@ def communicators(cfg: Config, dp: int) -> dict[str, int]:
     amax reduction, the optimizer's), one over every rank of the model (megatron's gradient-norm
     group), PP and a point-to-point one with each pipeline neighbour, the embedding group, EP,
     expert DP and expert TP x DP; the CP group (TE's K/V ring, the loss's reductions of whole
-    responses); the engine's world and tensor-parallel groups. Counted from
-    what megatron-core 0.16 issues over gloo in scaled-down layouts (tests/test_collectives.py
-    checks this against them)."""
+    responses); the engine's world and tensor-parallel groups; a sync that sends each engine
+    rank its slices of the experts (``learner.engine_slices``) batches its sends in megatron's
+    expert TP x EP group (one communicator: torch runs a batch of point-to-point ops on its
+    group's). Counted from what megatron-core 0.16 issues over gloo in scaled-down layouts
+    (tests/test_collectives.py checks this against them)."""
     p = cfg.parallel
+    r = cfg.rollout
+    slices = r.spmd and r.tensor_parallel > p.tensor and r.tensor_parallel % p.tensor == 0
     fp8 = cfg.model.fp8_format is not None
     dpcp = dp * p.context  # context parallel: gradients and optimizer over DP x CP, and its group
     out = {"world": 1, "tensor": int(p.tensor > 1), "data": 2 * (dpcp > 1),
@@ -204,6 +208,7 @@ def communicators(cfg: Config, dp: int) -> dict[str, int]:
            "model": int(dpcp > 1 or p.pipeline > 1),
            "pipeline": 3 * (p.pipeline > 1), "embedding": int(p.pipeline > 1),
            "expert": 3 * (p.expert > 1), "context": int(p.context > 1),
+           "engine slices": int(slices and p.expert > 1),
            "engine": 1 + (cfg.rollout.tensor_parallel > 1)}
     return {k: v for k, v in out.items() if v}
 
@@ -299,18 +304,22 @@ def reload_bytes(spec: ModelSpec, engine_tp: int, dtype: str, fp8: bool = False)
     return module * (1 + 1 / engine_tp) + vocab
 
 
-def sync_bytes(cfg: Config, spec: ModelSpec, total: float) -> tuple[bool, float]:
-    """(whether the stream is sharded, the bytes one rank receives a sync), as
-    ``learner.export.iter_hf_tensors`` sends them: every tensor whole, or, where vLLM runs spmd
-    at the learner's TP (``handoff.engine_sharded``), the projections and the experts' slices
-    at 1/TP and the vocabulary, norms and routers whole."""
-    tp, w = cfg.parallel.tensor, BYTES[cfg.model.dtype]
-    sharded = cfg.rollout.spmd and cfg.rollout.tensor_parallel == tp > 1
-    if not sharded:
-        return False, total * w
-    h = spec.hidden_size
-    whole = spec.vocab_size * h * (1 if spec.tie_embeddings else 2)
-    return True, (whole + (total - whole) / tp) * w
+def sync_bytes(cfg: Config, spec: ModelSpec, total: float, stage_ranks: int
+               ) -> tuple[str, float]:
+    """(how the stream is cut, the bytes one rank receives a sync), as
+    ``learner.export.iter_hf_tensors`` sends them: 'whole' (every tensor), or, where vLLM runs
+    spmd at a TP that is the learner's ('own shards': ``handoff.sync_engine_tp``) or a multiple
+    of it ('engine slices': ``learner.engine_slices``, where ``engine_slices_problem`` allows),
+    the projections and the experts' slices at 1/(engine TP) and the vocabulary, norms and
+    routers whole."""
+    tp, engine_tp, w = cfg.parallel.tensor, cfg.rollout.tensor_parallel, BYTES[cfg.model.dtype]
+    if not (cfg.rollout.spmd and engine_tp > 1 and engine_tp % tp == 0):
+        return "whole", total * w
+    how = "own shards" if engine_tp == tp else "engine slices"
+    if how == "engine slices" and engine_slices_problem(spec, tp, engine_tp, stage_ranks):
+        return "whole", total * w
+    whole = spec.vocab_size * spec.hidden_size * (1 if spec.tie_embeddings else 2)
+    return how, (whole + (total - whole) / engine_tp) * w
 
 
 def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
@@ -379,7 +388,7 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
     learner_at_sync = largest_param if offloaded else state
     stream = stream_bytes(spec, tp, p.pipeline, r.weight_bucket_mb << 20, cfg.model.dtype)
     reload = reload_bytes(spec, r.tensor_parallel, cfg.model.dtype, fp8) if vllm else 0.0
-    sync_sharded, sync = sync_bytes(cfg, spec, total)
+    sync_cut, sync = sync_bytes(cfg, spec, total, dp * tp * p.context)
     reference = bool(cfg.algo.kl_coef) and cfg.algo.kl_target == "reference"
     # a no-grad forward keeps one layer's activations at a time, and its logits (no copy for
     # a backward): the reference's weights in the learner's storages, its own state on the host
@@ -442,7 +451,7 @@ def estimate(cfg: Config, spec: ModelSpec, dp: int, gpu_gib: float = H100_GIB,
         "sequences_at_once": int(kv / kv_per_token // cfg.max_sequence_tokens),
         "sequences_at_share_max": int(kv_at_max / kv_per_token // cfg.max_sequence_tokens),
         "engine": engine_awake, "engine_pools": pools, "stream": stream, "reload": reload,
-        "sync_bytes": sync, "sync_sharded": sync_sharded,
+        "sync_bytes": sync, "sync_cut": sync_cut,
         "offloaded": offloaded, "transitions": transitions, "transition_items": items,
         "peak_transition": peak_name,
         "peak": transitions[peak_name], "margin": margin,

@@ -94,9 +94,9 @@ def quantize_stream(weights: Iterable[tuple[str, torch.Tensor]],
     layers (``is_quantized``) as its e4m3 tensor followed by ``<module>.weight_scale_inv``, the
     rest as it came. One tensor at a time: what it holds beyond the stream is ``rows_at_once``
     rows of one weight in float32 while it is quantized. Each engine rank quantizes the whole
-    tensors it is handed, not only the slice it keeps (the stream is full-shape): at
-    DeepSeek-V3 that is 671B elements a rank a sync, a few seconds of elementwise GPU work once
-    a phase."""
+    tensors it is handed, not only the slice it keeps (the stream is full-shape, zeros outside
+    the slice where the sync sends each rank its slices): at DeepSeek-V3 that is 671B elements
+    a rank a sync, a few seconds of elementwise GPU work once a phase."""
     for name, tensor in weights:
         if is_quantized(name, tensor):
             q, scale_inv = quantize_blocks(tensor, block)

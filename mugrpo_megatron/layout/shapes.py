@@ -24,7 +24,8 @@ metric or log-prob sees them) until the tokens of each TP rank are a multiple of
 ``check_model_dims`` refuses a layout that would fail in TE's first forward.
 
 The engine's block FP8 (``rollout.quantization: fp8``) has rules of its own, vLLM's
-(``engine_fp8_problem``).
+(``engine_fp8_problem``); so does a sync that sends each engine rank only its slices
+(``engine_slices_problem``).
 """
 
 from __future__ import annotations
@@ -149,3 +150,24 @@ def engine_fp8_problem(spec: ModelSpec, tp: int,
     return (f"block FP8 at engine TP {tp}: " + ", ".join(bad) + f", not a multiple of the "
             f"{bn} x {bk} block (vLLM's validate_fp8_block_shape refuses it); choose a "
             f"rollout.tensor_parallel where these divide, or quantization: none")
+
+
+def engine_slices_problem(spec: ModelSpec, learner_tp: int, engine_tp: int,
+                          stage_ranks: int) -> str | None:
+    """Why a weight sync cannot send each engine rank only its slices from the learner ranks
+    that hold them (``learner.engine_slices``), where vLLM runs spmd at ``engine_tp`` beside a
+    learner at ``learner_tp`` with ``stage_ranks`` ranks a pipeline stage; None: it can."""
+    if engine_tp < 2 * learner_tp or engine_tp % learner_tp:
+        return f"the engine's TP {engine_tp} is not a multiple (>= 2) of the learner's {learner_tp}"
+    if stage_ranks % engine_tp:
+        return f"the engine's TP {engine_tp} does not divide a pipeline stage's {stage_ranks} ranks"
+    kv = spec.num_kv_heads
+    sizes = {"attention heads": spec.num_heads, "MLP size": spec.ffn_hidden_size,
+             "experts' MLP size": spec.moe_ffn_hidden_size,
+             "shared experts' MLP size": spec.shared_ffn_hidden_size}
+    for what, n in sizes.items():
+        if n % engine_tp:
+            return f"the {what} ({n}) is not split evenly over the engine's TP {engine_tp}"
+    if kv % engine_tp and engine_tp % kv:
+        return f"{kv} KV heads over the engine's TP {engine_tp}"
+    return None

@@ -8,7 +8,7 @@ expert tensor-parallel group, then over the expert-parallel group (every rank ge
 parameter of every expert-parallel rank's expert). The same stream feeds HF export and the rollout
 engine's weight update (resharding), so both use one mapping.
 
-For an engine whose tensor-parallel ranks are the learner's (``engine_sharded``: vLLM placed
+For an engine whose tensor-parallel ranks are the learner's (``engine_tp`` = TP: vLLM placed
 spmd at the learner's TP size, engine TP rank r in the process of learner TP rank r), each rank
 keeps only its shard of the attention and MLP projections, so they are not gathered: each rank
 streams full-shape HF tensors that hold its own shard (zeros elsewhere; vLLM's checkpoint-format
@@ -21,6 +21,10 @@ parallelism keeps TP rank r's slice of every expert (its moe_intermediate_size s
 MLP's), so each rank gathers only that slice of the other expert-parallel ranks' experts (an
 all-gather over the EP group, none over TP) instead of every expert whole: 1/TP of the experts'
 bytes, which are ~95% of an MoE's.
+
+Where the engine's TP is k >= 2 times the learner's (a replica over more ranks than a learner's
+TP group: Qwen3-235B, DeepSeek-V3), each rank likewise streams only its engine rank's slice of
+each projection and expert, which the learner ranks holding it send it (``engine_slices``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
 
 from mugrpo_megatron import distributed, outputs
+from mugrpo_megatron.learner.engine_slices import EngineSlices, bounds
 from mugrpo_megatron.learner.hf_weights import expert_offset, named_hf_params
 from mugrpo_megatron.models.hf_config import TOKENIZER_FILES, ModelSpec
 from mugrpo_megatron.models.mapping import (
@@ -64,12 +69,13 @@ def _stage_entries(chunks: list[torch.nn.Module], spec: ModelSpec
 def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
                     dtype: torch.dtype | None = None,
                     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.detach(),
-                    bucket_bytes: int = 512 << 20, engine_sharded: bool = False,
+                    bucket_bytes: int = 512 << 20, engine_tp: int = 0,
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model on every rank (collective); with
-    ``engine_sharded`` the attention and MLP projections hold only this rank's TP shard (see the
-    module docstring): for a weight sync into an engine at the learner's TP ranks, never for an
-    export.
+    ``engine_tp`` (the TP size of an engine placed spmd on these ranks, where
+    ``handoff.sync_engine_tp`` allows it) the attention and MLP projections hold only the slice
+    this rank's engine rank keeps, zeros elsewhere (see the module docstring): for a weight sync,
+    never for an export. 0: every tensor whole.
 
     Tensors cross pipeline stages in buckets of at most ``bucket_bytes`` (one flat broadcast per
     bucket); a tensor larger than a bucket travels alone. ``tensor_of`` picks what is streamed for
@@ -94,7 +100,16 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
     mine = _stage_entries(chunks, spec)
     ep = _ExpertGroups(spec)
     tp_rank = mpu.get_tensor_model_parallel_rank()
-    sharded = engine_sharded and tp_size > 1
+    sharded = engine_tp == tp_size > 1  # each rank's own shards are its engine rank's
+    targets = None  # or each rank's engine slices come from the ranks that hold them
+    if engine_tp > tp_size:
+        experts = spec.is_moe and _expert_tp_is_tp(tp_group)
+        targets = EngineSlices(
+            spec, engine_tp, tp_group,
+            mpu.get_expert_tensor_and_model_parallel_group() if experts else None, ep.local,
+            (mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_model_parallel_rank())
+            if experts else (0, 0))
+        sharded = True
     ep.sharded = sharded and spec.is_moe and _expert_tp_is_tp(tp_group)
     for stage in range(pp_size):
         owner = stage == pp_rank
@@ -105,13 +120,13 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
             meta = [(name, tuple(shape), str(tensor_of(p).dtype).removeprefix("torch."), place)
                     for p, pm in mine
                     for name, shape, place in _sent(tensor_of(p), pm, spec, tp_size, tp_rank, ep,
-                                                    sharded)]
+                                                    sharded, targets)]
         if pp_size > 1:
             box = [meta]
             dist.broadcast_object_list(box, src=pp_ranks[stage], group=pp_group)
             meta = box[0]
         produced = _produce(mine, lambda p: tensor_of(p).to(device), spec, tp_size, tp_group,
-                            ep, tp_rank if sharded else None) if owner else None
+                            ep, tp_rank if sharded else None, targets) if owner else None
         for bucket in _buckets(meta, bucket_bytes):
             if owner:
                 tensors = [next(produced) for _ in bucket]
@@ -181,14 +196,19 @@ def _expert_tp_is_tp(tp_group) -> bool:
 
 
 def _engine_sharded(pm: ParamMap, tp_rank: int | None, ep: _ExpertGroups) -> bool:
-    """Whether ``pm`` streams as this rank's shard (``iter_hf_tensors(engine_sharded=True)``)."""
+    """Whether ``pm`` streams as this rank's engine slice (``iter_hf_tensors(engine_tp=...)``)."""
     return tp_rank is not None and pm.kind in ENGINE_SHARDED and (pm.expert is None or ep.sharded)
 
 
 def _sent(param: torch.Tensor, pm: ParamMap, spec: ModelSpec, tp_size: int, tp_rank: int,
-          ep: _ExpertGroups, sharded: bool) -> list[tuple[str, tuple[int, ...], tuple | None]]:
+          ep: _ExpertGroups, sharded: bool, targets: EngineSlices | None = None
+          ) -> list[tuple[str, tuple[int, ...], tuple | None]]:
     """What the owning stage sends of one parameter: (HF name, shape sent, place), ``place``
     the full tensor's shape and the index of the shard in it where only the shard is sent."""
+    if targets is not None and _engine_sharded(pm, tp_rank, ep):
+        return [(name, tuple(b - a for a, b in bounds(index, full)),
+                 (full, tuple(i.indices(n)[:2] for i, n in zip(index, full))))
+                for name, full, index in targets.received(pm, param.to("meta"))]
     if _engine_sharded(pm, tp_rank if sharded else None, ep):
         owners = [pm] if pm.expert is None else ep.same_expert(pm)
         return [(name, tuple(part.shape), (full, tuple((i.start, i.stop) for i in index)))
@@ -199,12 +219,17 @@ def _sent(param: torch.Tensor, pm: ParamMap, spec: ModelSpec, tp_size: int, tp_r
 
 
 def _produce(entries, tensor_of, spec, tp_size, tp_group, ep: _ExpertGroups,
-             tp_rank: int | None = None) -> Iterator[tuple[str, torch.Tensor, bool]]:
+             tp_rank: int | None = None, targets: EngineSlices | None = None
+             ) -> Iterator[tuple[str, torch.Tensor, bool]]:
     """(HF name, full tensor, fresh) of each entry in order; ``fresh``: a tensor of its own, not
     a live parameter or a view of one. With ``tp_rank`` (an engine-sharded stream) the
     parameters of ``ENGINE_SHARDED`` kinds yield this rank's pieces of their HF tensors instead
-    (views of the parameter: the stream copies them into full-shape tensors)."""
+    (views of the parameter: the stream copies them into full-shape tensors); with ``targets``,
+    the pieces of them this rank's engine rank keeps, from the ranks that hold them."""
     for param, pm in entries:
+        if targets is not None and _engine_sharded(pm, tp_rank, ep):
+            yield from ((name, t, True) for name, t in targets.exchange(pm, tensor_of(param)))
+            continue
         if _engine_sharded(pm, tp_rank, ep):
             items = [(name, part, False) for name, _, _, part in
                      shard_pieces(pm, tensor_of(param), spec, tp_rank, tp_size)]

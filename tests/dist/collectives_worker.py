@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
 from collective_log import CollectiveLog, te_amax_emulation  # noqa: E402
 
 from mugrpo_megatron.config.loader import load_config  # noqa: E402
+from mugrpo_megatron.handoff import sync_engine_tp  # noqa: E402
 from mugrpo_megatron.learner.export import iter_hf_tensors  # noqa: E402
 from mugrpo_megatron.learner.learner import Learner  # noqa: E402
 from mugrpo_megatron.learner.packing import plan_bins, sequence_lengths  # noqa: E402
@@ -50,7 +51,8 @@ def rows_for(rank: int, ranks: int, n: int, vocab: int, seed: int) -> TrainBatch
 
 def gathered(log) -> list:
     """Every rank's log, in rank order, on every rank (one object all-gather, outside the log)."""
-    mine = {"calls": log.calls, "p2p": log.p2p}
+    mine = {"calls": log.calls, "p2p": log.p2p, "p2p_groups": sorted(log.p2p_groups),
+            "batched_peers": sorted(log.batched_peers)}
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     return everyone
@@ -79,8 +81,13 @@ def run_job(job: dict) -> None:
              "update_padded": lambda: padded_update(learner, mine),
              # a weight sync's stream (every rank receives every HF tensor), and the same for an
              # engine at the learner's TP ranks (each rank streams its own shards)
-             "export": lambda: streamed(learner, False),
-             "export_sharded": lambda: streamed(learner, True)}
+             "export": lambda: streamed(learner, 0),
+             "export_sharded": lambda: streamed(learner, layout.tp_size)}
+    # and for an engine replica over k learner TP groups (the configured engine TP, a multiple
+    # of the learner's): each rank's engine slices from the ranks that hold them
+    engine_tp = sync_engine_tp(cfg.rollout, learner)
+    if engine_tp > layout.tp_size:
+        steps["export_targeted"] = lambda: streamed(learner, engine_tp)
     for name, step in steps.items():
         with te_amax_emulation(learner) as amax, CollectiveLog() as log:
             out = step()
@@ -91,8 +98,15 @@ def run_job(job: dict) -> None:
             result.setdefault("streams", {})[name] = out
             out = None
         result["steps"][name] = {"logs": gathered(log), "amax": amax}
-    full, sharded = result.pop("streams").values()
-    result["sharded_as_engine_keeps"] = same_engine_slices(full, sharded, layout)
+    streams = result.pop("streams")
+    full, sharded = streams["export"], streams["export_sharded"]
+    result["sharded_as_engine_keeps"] = same_engine_slices(
+        full, sharded, layout.tp_rank, layout.tp_size, learner.spec)
+    rank = torch.distributed.get_rank()
+    result["engine_tp"] = engine_tp
+    if "export_targeted" in streams:
+        result["targeted_as_engine_keeps"] = same_engine_slices(
+            full, streams["export_targeted"], rank % engine_tp, engine_tp, learner.spec)
     result["kept_bytes"] = kept_bytes(full, layout.tp_size)
     every = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, bins)
@@ -106,20 +120,27 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 ROWS = ("o_proj", "down_proj")  # split along their input (dim 1); the others along dim 0
 
 
-def streamed(learner, sharded: bool) -> dict:
-    """The weight-sync stream's tensors on this rank, by name."""
+def streamed(learner, engine_tp: int) -> dict:
+    """The weight-sync stream's tensors on this rank, by name (``engine_tp`` 0: every tensor
+    whole)."""
     return {n: t.clone() for n, t in iter_hf_tensors(learner.chunks(), learner.spec,
                                                       bucket_bytes=1 << 16,
-                                                      engine_sharded=sharded)}
+                                                      engine_tp=engine_tp if engine_tp > 1 else 0)}
 
 
-def engine_slice(name: str, shape, tp_rank: int, tp: int) -> tuple[slice, ...]:
+def engine_slice(name: str, shape, tp_rank: int, tp: int, spec) -> tuple[slice, ...]:
     """What vLLM's TP rank ``tp_rank`` of ``tp`` loads of an HF projection: its equal part of the
-    split dimension (heads, rows or input columns)."""
+    split dimension (heads, rows or input columns); with fewer KV heads than ranks, the KV head
+    tp_rank // (tp / KV heads) (vLLM's QKVParallelLinear replicates each over as many ranks)."""
     dim = 1 if any(f".{r}." in name for r in ROWS) else 0
     n = shape[dim] // tp
+    start = tp_rank * n
+    kv = spec.num_kv_heads
+    if (".k_proj." in name or ".v_proj." in name) and kv < tp:
+        n = spec.head_dim
+        start = tp_rank // (tp // kv) * n
     index = [slice(None)] * len(shape)
-    index[dim] = slice(tp_rank * n, (tp_rank + 1) * n)
+    index[dim] = slice(start, start + n)
     return tuple(index)
 
 
@@ -129,7 +150,7 @@ def is_projection(name: str) -> bool:
     return any(f".{p}." in name for p in PROJECTIONS)
 
 
-def same_engine_slices(full: dict, sharded: dict, layout) -> bool:
+def same_engine_slices(full: dict, sharded: dict, engine_rank: int, engine_tp: int, spec) -> bool:
     """The sharded stream's tensors hold exactly the full stream's values in this rank's engine
     slice of every projection (zeros elsewhere), and every other tensor bit for bit."""
     if set(full) != set(sharded):
@@ -138,11 +159,11 @@ def same_engine_slices(full: dict, sharded: dict, layout) -> bool:
         s = sharded[name]
         if f.shape != s.shape or f.dtype != s.dtype:
             return False
-        if not is_projection(name) or layout.tp_size == 1:
+        if not is_projection(name) or engine_tp == 1:
             if not torch.equal(f, s):
                 return False
             continue
-        index = engine_slice(name, f.shape, layout.tp_rank, layout.tp_size)
+        index = engine_slice(name, f.shape, engine_rank, engine_tp, spec)
         rest = s.clone()
         rest[index] = 0
         if not torch.equal(s[index], f[index]) or rest.any():

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from mugrpo_megatron.config.loader import load_config
 from mugrpo_megatron.engines import SamplingSpec
 from mugrpo_megatron.engines.fleet import EngineFailed, EngineFleet
-from mugrpo_megatron.handoff import engine_sharded
+from mugrpo_megatron.handoff import sync_engine_tp
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.phase.batches import logprob_gap
@@ -47,6 +47,8 @@ def corrupt(stream, how, spec):
             name = name.replace("gate_proj", "up_proj")
         elif how == "swap_gate_up" and "up_proj" in name:
             name = name.replace("up_proj", "gate_proj")
+        elif how == "swap_gate_up" and name.endswith((".w1.weight", ".w3.weight")):  # Mixtral's
+            name = name[:-10] + (".w3.weight" if name.endswith(".w1.weight") else ".w1.weight")
         elif how == "pad_vocab" and name == "model.embed_tokens.weight":
             t = torch.cat([t, torch.zeros(128 - t.shape[0] % 128, t.shape[1], dtype=t.dtype)])
         elif how == "permute_experts" and ".experts." in name:
@@ -96,15 +98,15 @@ def run_contract(hf_dir: str, out: Path, overrides: list[str], bucket_bytes: int
                     "local_world_size": [launcher_local_world, os.environ.get("LOCAL_WORLD_SIZE")]}
 
     # the trainer's choice: each rank streams only its shards where its engine rank keeps them
-    sharded = engine_sharded(cfg.rollout, learner)
-    result["engine_sharded"] = sharded
+    engine_tp = sync_engine_tp(cfg.rollout, learner)
+    result["sync_engine_tp"] = engine_tp
     group = engines._replica_group  # a replica's own gloo group (spmd at TP > 1)
     result["replica_group_timeout_s"] = None if group is None else \
         group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
     def sync(how=None):
         stream = iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=bucket,
-                                 engine_sharded=sharded)
+                                 engine_tp=engine_tp)
         if how:
             stream = corrupt(stream, how, learner.spec)
         try:
