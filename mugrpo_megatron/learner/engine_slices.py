@@ -4,7 +4,7 @@ learner at TP4, DeepSeek-V3's at TP16 beside TP8).
 
 Who needs what. vLLM spmd makes rank r engine TP rank e = r mod T_e (its replicas are
 consecutive ranks); megatron makes it learner TP rank r mod T_l (TP fastest in its order, checked
-at start: ``handoff.engine_tp``). vLLM's loaders narrow every HF projection to rank e's equal
+at start: ``handoff.sync_engine_tp``). vLLM's loaders narrow every HF projection to rank e's equal
 part of its split dimension (read in vLLM 0.32 and 0.33 ``linear.py`` and ``fused_moe/layer.py``):
 - QKV: query heads; KV heads too, or, with fewer KV heads than ranks, KV head e // (T_e / kv)
   on T_e / kv ranks each (``QKVParallelLinear``: ``shard_id = tp_rank // num_kv_head_replicas``);
@@ -81,10 +81,10 @@ class EngineSlices:
     parallel group): built once a stream, by every rank of the owning stage."""
 
     def __init__(self, spec: ModelSpec, engine_tp: int, tp_group, expert_group=None,
-                 expert_local: int = 0, expert_coords: tuple[int, int] = (0, 0)):
+                 expert_coords: tuple[int, int] = (0, 0)):
         """``expert_group``: megatron's expert TP x EP group where the experts stream as slices
-        (their TP group is the learner's), with ``expert_local`` experts a rank and this rank's
-        (expert TP rank, expert-parallel rank) in ``expert_coords``; None: no experts here."""
+        (their TP group is the learner's), with this rank's (expert TP rank, expert-parallel
+        rank) in ``expert_coords``; None: no experts here."""
         self.spec, self.engine_tp = spec, engine_tp
         self.rank = dist.get_rank()
         self.tp_ranks = dist.get_process_group_ranks(tp_group)  # in TP rank order
@@ -95,7 +95,7 @@ class EngineSlices:
         self.engine_rank = self.rank % engine_tp
         self.source = self.engine_rank // self.k
         """The learner TP rank whose shard holds this rank's engine slice."""
-        self.expert_group, self.expert_local = expert_group, expert_local
+        self.expert_group = expert_group
         self.members: list[tuple[int, int, int]] = []
         """(global rank, expert TP rank, expert-parallel rank) of each member of the expert
         group, in its order."""
@@ -111,22 +111,17 @@ class EngineSlices:
         """The learner TP rank whose shard holds ``rank``'s engine slice."""
         return rank % self.engine_tp // self.k
 
-    def received(self, pm: ParamMap, shard_meta: torch.Tensor
+    def received(self, owners: list[ParamMap], shard_meta: torch.Tensor
                  ) -> list[tuple[str, tuple[int, ...], Index]]:
-        """What this rank gets of ``pm`` (one of its own parameters; an expert's: of the same
-        local expert of every expert-parallel rank, in rank order): (HF name, full shape, the
-        engine slice's index), in the order ``exchange`` yields them."""
-        owners = [pm] if pm.expert is None else self._owners(pm)
+        """What this rank gets of one of its parameters, ``owners`` (the parameter; an expert's:
+        the same local expert on every expert-parallel rank, in rank order, as
+        ``export._ExpertGroups.same_expert`` lists them): (HF name, full shape, the engine
+        slice's index), in the order ``exchange`` yields them."""
         return [(name, full, engine_part(owner, j, full, self.engine_rank, self.engine_tp,
                                          self.spec))
                 for owner in owners for j, (name, full, _, _) in
                 enumerate(shard_pieces(owner, shard_meta, self.spec, self.source,
                                        self.tp_size))]
-
-    def _owners(self, pm: ParamMap) -> list[ParamMap]:
-        ep = max(m[2] for m in self.members) + 1
-        i = pm.expert % self.expert_local
-        return [pm.for_expert(r * self.expert_local + i) for r in range(ep)]
 
     def _pieces_for(self, pm: ParamMap, shard: torch.Tensor, rank: int) -> torch.Tensor:
         """This rank's shard of ``pm`` cut to what engine rank ``rank % engine_tp`` keeps, the
@@ -138,10 +133,12 @@ class EngineSlices:
                  enumerate(shard_pieces(pm, shard, self.spec, self.tp_rank, self.tp_size))]
         return torch.cat([p.reshape(-1) for p in parts])
 
-    def exchange(self, pm: ParamMap, shard: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """This rank's engine slices of ``pm`` (``received``'s order), sent by the members that
-        hold them; this rank sends its own shard's pieces to the members that need them."""
-        meta = self.received(pm, shard.to("meta"))
+    def exchange(self, pm: ParamMap, owners: list[ParamMap], shard: torch.Tensor
+                 ) -> list[tuple[str, torch.Tensor]]:
+        """This rank's engine slices of ``owners`` (``received``'s order), sent by the members
+        that hold them; this rank sends the pieces of its own ``shard`` of ``pm`` to the members
+        that need them."""
+        meta = self.received(owners, shard.to("meta"))
         sizes = [math.prod(b - a for a, b in bounds(index, full)) for _, full, index in meta]
         if pm.expert is None:  # from the TP group's member at the source's TP rank
             peers, sources, group = self.tp_ranks, [self.tp_ranks[self.source]], self.tp_group

@@ -106,7 +106,7 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
         experts = spec.is_moe and _expert_tp_is_tp(tp_group)
         targets = EngineSlices(
             spec, engine_tp, tp_group,
-            mpu.get_expert_tensor_and_model_parallel_group() if experts else None, ep.local,
+            mpu.get_expert_tensor_and_model_parallel_group() if experts else None,
             (mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_model_parallel_rank())
             if experts else (0, 0))
         sharded = True
@@ -207,15 +207,20 @@ def _sent(param: torch.Tensor, pm: ParamMap, spec: ModelSpec, tp_size: int, tp_r
     the full tensor's shape and the index of the shard in it where only the shard is sent."""
     if targets is not None and _engine_sharded(pm, tp_rank, ep):
         return [(name, tuple(b - a for a, b in bounds(index, full)),
-                 (full, tuple(i.indices(n)[:2] for i, n in zip(index, full))))
-                for name, full, index in targets.received(pm, param.to("meta"))]
+                 (full, tuple(bounds(index, full))))
+                for name, full, index in targets.received(_owners(pm, ep), param.to("meta"))]
     if _engine_sharded(pm, tp_rank if sharded else None, ep):
-        owners = [pm] if pm.expert is None else ep.same_expert(pm)
+        owners = _owners(pm, ep)
         return [(name, tuple(part.shape), (full, tuple((i.start, i.stop) for i in index)))
                 for owner in owners for name, full, index, part in
                 shard_pieces(owner, param.to("meta"), spec, tp_rank, tp_size)]
     return [(name, tuple(shape), None) for names in ep.names(pm)
             for name, shape in zip(names, _hf_shapes(param, pm, ep.tp_size(pm, tp_size), spec))]
+
+
+def _owners(pm: ParamMap, ep: _ExpertGroups) -> list[ParamMap]:
+    """``pm``, or for an expert's parameter the same local expert of every expert-parallel rank."""
+    return [pm] if pm.expert is None else ep.same_expert(pm)
 
 
 def _produce(entries, tensor_of, spec, tp_size, tp_group, ep: _ExpertGroups,
@@ -228,7 +233,8 @@ def _produce(entries, tensor_of, spec, tp_size, tp_group, ep: _ExpertGroups,
     the pieces of them this rank's engine rank keeps, from the ranks that hold them."""
     for param, pm in entries:
         if targets is not None and _engine_sharded(pm, tp_rank, ep):
-            yield from ((name, t, True) for name, t in targets.exchange(pm, tensor_of(param)))
+            yield from ((name, t, True) for name, t in
+                        targets.exchange(pm, _owners(pm, ep), tensor_of(param)))
             continue
         if _engine_sharded(pm, tp_rank, ep):
             items = [(name, part, False) for name, _, _, part in
