@@ -137,7 +137,10 @@ class EngineSlices:
                  ) -> list[tuple[str, torch.Tensor]]:
         """This rank's engine slices of ``owners`` (``received``'s order), sent by the members
         that hold them; this rank sends the pieces of its own ``shard`` of ``pm`` to the members
-        that need them."""
+        that need them. One batch a parameter, whatever the rows or lengths of a phase (its
+        members: the TP group, or for an expert the expert TP x EP group, each issuing it once
+        a parameter); beyond the stream it holds one parameter's pieces at a time, about one
+        copy of this rank's shard sent and 1/(engine TP) of it (of each EP rank's) received."""
         meta = self.received(owners, shard.to("meta"))
         sizes = [math.prod(b - a for a, b in bounds(index, full)) for _, full, index in meta]
         if pm.expert is None:  # from the TP group's member at the source's TP rank
