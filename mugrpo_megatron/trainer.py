@@ -153,8 +153,9 @@ class Trainer:
         self.evaluate("after")
         if self.cfg.checkpoint.export_hf:
             out = self.run_dir / "hf"
-            save_hf_checkpoint(iter_hf_tensors(self.learner.chunks(), self.learner.spec), out,
-                               self.cfg.model.path, write=self.rank0, dtype=self.cfg.model.dtype)
+            save_hf_checkpoint(iter_hf_tensors(self.learner.chunks(), self.learner.spec,
+                                               dtype=getattr(torch, self.cfg.model.dtype)),
+                               out, self.cfg.model.path, write=self.rank0, dtype=self.cfg.model.dtype)
             self.progress.note(f"final policy exported as a Hugging Face checkpoint: {out}")
         if self.rank0:
             from mugrpo_megatron.report import write_report

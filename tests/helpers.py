@@ -313,3 +313,27 @@ def eos_prone(hf_dir: Path, strength: float = 0.5) -> Path:
     weights["lm_head.weight"][eos] = strength * 5 * mean / mean.norm() ** 2
     save_file(weights, str(Path(hf_dir) / "model.safetensors"), metadata={"format": "pt"})
     return Path(hf_dir)
+
+
+def block_fp8_release(hf_dir: Path, out: Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """``hf_dir``'s model as DeepSeek-V3's and Qwen3's FP8 releases ship it: each linear weight of
+    the layers in e4m3 with its ``weight_scale_inv`` (one per block, the edge blocks cut short),
+    the rest as it was, and ``quantization_config`` in config.json; the tokenizer copied."""
+    import shutil
+
+    from mugrpo_megatron.engines.fp8_weights import quantize_stream
+
+    out.mkdir(parents=True)
+    tensors = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    save_file(dict(quantize_stream(tensors.items(), block)), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "fmt": "e4m3", "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in hf_dir.iterdir():
+        if f.name != "config.json" and not f.name.endswith(".safetensors") and f.is_file():
+            shutil.copy2(f, out / f.name)
+    return out

@@ -73,6 +73,9 @@ def test_dry_run_fits(name, world, per_node, arch, capsys):
     spec = read_model_spec(ROOT / "configs" / "models" / f"{arch}.json")
     # an MoE's experts: one grouped GEMM a layer on GPUs, its workspace counted
     assert ("run as one grouped GEMM (Transformer Engine's TEGroupedMLP" in out) == spec.is_moe
+    # a release stored quantized (DeepSeek-V3's official folder) is read dequantized, and said
+    assert ("checkpoint: stored in block FP8 (e4m3, 128 x 128 blocks); each rank reads its "
+            "shards dequantized into bfloat16" in out) == (spec.stored is not None)
 
 
 def test_dry_run_refuses_what_does_not_fit():

@@ -11,7 +11,15 @@ import importlib.util
 import json
 
 import pytest
-from helpers import ROOT, cli_under_torchrun, records, set_args, torchrun, torchrun_nodes
+from helpers import (
+    ROOT,
+    block_fp8_release,
+    cli_under_torchrun,
+    records,
+    set_args,
+    torchrun,
+    torchrun_nodes,
+)
 
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
@@ -20,7 +28,11 @@ WORKER = ROOT / "tests" / "dist" / "engine_worker.py"
 MODELS = {"llama": {}, "qwen2_tied": {"family": "qwen2", "tie_embeddings": True},
           "qwen3": {"family": "qwen3"}, "qwen3_moe": {"family": "qwen3_moe"},
           "qwen3_yarn": {"family": "qwen3_yarn"}, "glm4_moe": {"family": "glm4_moe"},
-          "deepseek_v3": {"family": "deepseek_v3"}, "mixtral": {"family": "mixtral"}}
+          "deepseek_v3": {"family": "deepseek_v3"}, "mixtral": {"family": "mixtral"},
+          # released in 128 x 128 block FP8 (DeepSeek's and Qwen3's -FP8 layout): the learner
+          # reads it dequantized, the engine serves the model's own layers from the same
+          # dequantized weights (its quantization_config cleared), and every sync is bf16's
+          "llama_fp8": {"family": "llama", "release": "fp8"}}
 OWN_JOBS = ("glm4_moe", "deepseek_v3", "mixtral")
 """Models that run only in their own jobs below, not at every layout of ``cases``."""
 LAYOUTS = {"tp2": ["parallel.tensor=2"], "pp2": ["parallel.pipeline=2"],
@@ -109,7 +121,11 @@ def checkpoint(workdir, model):
     path = workdir / model
     if not (path / "config.json").exists():
         opts = dict(MODELS.get(model, {}))
-        make_tiny_checkpoint(path, opts.pop("family", model), seed=3, **opts)
+        release = opts.pop("release", None)
+        made = make_tiny_checkpoint(path.with_name(path.name + "_made") if release else path,
+                                    opts.pop("family", model), seed=3, **opts)
+        if release:
+            block_fp8_release(made, path)
     return path
 
 

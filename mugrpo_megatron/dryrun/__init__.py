@@ -75,6 +75,7 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         f"schedule: {describe_schedule(cfg)}; microbatches: {microbatch_tokens(cfg, spec)[1]}",
         f"precision: {cfg.model.dtype}" + (f", FP8 {cfg.model.fp8_format} ({cfg.model.fp8_recipe})"
                                            if cfg.model.fp8_format else ""),
+        *([stored_checkpoint(cfg, spec)] if spec.stored is not None else []),
         *([f"experts: {spec.num_experts // p.expert} a rank in each of "
            f"{sum(spec.is_moe_layer(i) for i in range(spec.num_layers))} MoE layers, run as one "
            f"grouped GEMM (Transformer Engine's TEGroupedMLP; {g(e['grouped_gemm']).strip()} of "
@@ -156,6 +157,20 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
                          "rollout.gpu_memory_utilization or rollout.tensor_parallel")
     lines.append("fits: yes")
     return "\n".join(lines)
+
+
+def stored_checkpoint(cfg: Config, spec) -> str:
+    """How a release stored quantized is read (``models.released``), in words: a shard at a
+    time, whose float32 working set (the stored values as float32, the block scales spread over
+    them, their product: 12 bytes an element beside the stored byte) is the largest linear
+    shard's."""
+    tp = cfg.parallel.tensor
+    mlp = max(spec.ffn_hidden_size, spec.moe_ffn_hidden_size, spec.shared_ffn_hidden_size)
+    largest = max([n for _, n in spec.attention_tensors(tp)] + [spec.hidden_size * mlp / tp])
+    return (f"checkpoint: stored in {spec.stored.describe()}; each rank reads its shards "
+            f"dequantized into {cfg.model.dtype} (the learner trains, syncs and exports "
+            f"{cfg.model.dtype}), one tensor at a time: {largest * 13 / GIB:.2f} GiB of host "
+            f"memory at most beside the model")
 
 
 def trajectories(cfg: Config) -> str:

@@ -107,15 +107,14 @@ def quantize_stream(weights: Iterable[tuple[str, torch.Tensor]],
 
 
 def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the HF checkpoint in ``model_dir`` (its ``*.safetensors``, one at a time):
-    what an FP8 engine asked to load the checkpoint is sent through ``quantize_stream``."""
-    from safetensors import safe_open
+    """Every tensor of the HF checkpoint in ``model_dir``, one at a time (a release stored
+    quantized: dequantized, ``models.released``): what an FP8 engine asked to load the checkpoint
+    is sent through ``quantize_stream``."""
+    import json
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors to load (rollout.quantization "
-                                f"fp8 quantizes a checkpoint's tensors as it loads them)")
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    from mugrpo_megatron.models.released import SafetensorsReader, read_checkpoint_quantization
+
+    config = Path(model_dir) / "config.json"
+    stored = read_checkpoint_quantization(json.loads(config.read_text()), str(config)) \
+        if config.is_file() else None
+    yield from SafetensorsReader(model_dir, stored).tensors()

@@ -27,6 +27,11 @@ layer-wise reload (``reload/layerwise.py``) takes them as it takes a checkpoint'
 loading-format parameters (``weight`` in e4m3, ``weight_scale_inv`` in float32) are restored,
 loaded, and ``process_weights_after_loading`` makes the kernel's layout again. A start that is
 asked to load the checkpoint reads its bf16 tensors and sends them through the same quantizer.
+
+A checkpoint released quantized (DeepSeek-V3's block FP8, ``models.released``) is served as
+``rollout.quantization`` says, like any other: its ``quantization_config`` is cleared for vLLM
+(the model's own layers, which the learner's dequantized weights fill at every sync), and a start
+that loads it reads it dequantized and sends it as a sync does.
 """
 
 from __future__ import annotations
@@ -97,10 +102,20 @@ class VLLMEngine(RolloutEngine):
                       enforce_eager=not on_gpu, logprobs_mode="processed_logprobs",
                       kv_cache_dtype=cfg.kv_cache_dtype)
         self._fp8 = cfg.quantization == "fp8"
+        config = json.loads((Path(model_dir) / "config.json").read_text())
         if self._fp8:  # a block-FP8 checkpoint to vLLM; its weights come quantized by a sync
             kwargs.update(quantization="fp8",
                           hf_overrides={"quantization_config": quantization_config()})
-        if not load_weights or self._fp8:  # random placeholders; a sync writes every weight
+        # a release stored quantized (block FP8, MXFP4) is served as rollout.quantization says,
+        # like any other: the learner holds it dequantized and every sync sends those weights
+        released = bool(config.get("quantization_config"))
+        if released and not self._fp8:
+            # the model's own layers: vLLM 0.32/0.33 take the method from
+            # hf_config.quantization_config, which None clears (``transformers_utils/config.py``
+            # get_config: ``config.update(hf_overrides)``)
+            kwargs.update(hf_overrides={"quantization_config": None})
+        own_load = load_weights and (self._fp8 or released)  # read by us, sent as a sync is
+        if not load_weights or own_load:  # random placeholders; a sync writes every weight
             kwargs.update(load_format="dummy")
         if cfg.max_num_seqs:
             kwargs.update(max_num_seqs=cfg.max_num_seqs)
@@ -117,7 +132,6 @@ class VLLMEngine(RolloutEngine):
             # A prompt prefilled in chunks makes vLLM rewind its per-request generator, which a
             # CPU generator cannot do ("CPU Generator does not use offset"): prefill whole prompts.
             kwargs.update(enable_chunked_prefill=False)
-            config = json.loads((Path(model_dir) / "config.json").read_text())
             kwargs.update(cpu_attention_kwargs(config, dtype))
         self._spmd = spmd
         with learner_world_kept(private=not spmd), torch_state_kept(), launcher_env_kept():
@@ -142,7 +156,7 @@ class VLLMEngine(RolloutEngine):
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self.sleep_discards_weights = self.supports_sleep  # level 2
         self._broken = ""
-        if self._fp8 and load_weights:  # the checkpoint's tensors, quantized as a sync's are
+        if own_load:  # the checkpoint's tensors as a sync's are (quantized for an FP8 engine)
             self.update_weights(checkpoint_tensors(model_dir))
 
     @property

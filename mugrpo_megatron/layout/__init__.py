@@ -66,6 +66,12 @@ def check_layout(cfg: Config, world_size: int, ranks_per_node: int | None = None
         if cfg.rollout.quantization == "fp8" and (
                 problem := engine_fp8_problem(spec, cfg.rollout.tensor_parallel)):
             raise ValueError(f"rollout.quantization: fp8: {spec.architecture}'s {problem}")
+        if spec.stored is not None and cfg.rollout.engine == "sglang":
+            raise ValueError(
+                f"rollout.engine: sglang: model.path is stored in {spec.stored.describe()}, which "
+                f"the learner reads dequantized; starting SGLang on it with the model's own "
+                f"layers is not done here yet: use rollout.engine: vllm, or start from a bf16 "
+                f"copy (convert --to megatron, then --to hf)")
     return JobLayout(dp, where)
 
 

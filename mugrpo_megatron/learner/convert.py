@@ -82,7 +82,7 @@ def megatron_to_hf(ckpt: Path, out: Path, parallel: ParallelConfig, dtype: str) 
 
     from mugrpo_megatron.learner.checkpoint import load_model_state
     from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
-    from mugrpo_megatron.learner.model import build_chunks, init_parallel
+    from mugrpo_megatron.learner.model import DTYPES, build_chunks, init_parallel
 
     hf_config = ckpt / HF_CONFIG_DIR
     if not (hf_config / "config.json").is_file():
@@ -92,6 +92,8 @@ def megatron_to_hf(ckpt: Path, out: Path, parallel: ParallelConfig, dtype: str) 
     init_parallel(parallel, seed=0)
     chunks = build_chunks(spec, ModelConfig(path=str(hf_config), dtype=dtype), parallel)
     load_model_state(chunks, ckpt)
-    save_hf_checkpoint(iter_hf_tensors(chunks, spec), out, hf_config, write=dist.get_rank() == 0,
-                       dtype=dtype, then=CONVERT_AGAIN)
+    # every tensor in ``dtype``, as config.json will say (megatron keeps some, norms among
+    # them, in float32)
+    save_hf_checkpoint(iter_hf_tensors(chunks, spec, dtype=DTYPES[dtype]), out, hf_config,
+                       write=dist.get_rank() == 0, dtype=dtype, then=CONVERT_AGAIN)
     dist.barrier()

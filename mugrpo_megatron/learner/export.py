@@ -53,6 +53,7 @@ from mugrpo_megatron.models.mapping import (
     shard_pieces,
     tp_split_dim,
 )
+from mugrpo_megatron.models.released import dequantized_config
 
 
 def _stage_entries(chunks: list[torch.nn.Module], spec: ModelSpec
@@ -389,7 +390,11 @@ def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, write:
 
 
 def _write_config(out: Path, src: Path, dtype: str) -> None:
-    config = json.loads((src / "config.json").read_text())
+    """config.json for the exported weights: in ``dtype``, and dequantized where the model was
+    released quantized (its ``quantization_config`` dropped, and the user told)."""
+    config, dropped = dequantized_config(json.loads((src / "config.json").read_text()))
+    if dropped:
+        print(f"note: the export writes {dtype} weights; {dropped}", flush=True)
     config["torch_dtype"] = config["dtype"] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2))
     copy_tokenizer(src, out)

@@ -4,7 +4,6 @@ tensor of a layer this rank holds taken by some parameter (``unread_layer_tensor
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -13,10 +12,10 @@ from mugrpo_megatron.learner.compat_megatron import megatron_on_cpu  # noqa: F40
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
-from safetensors import safe_open
 
 from mugrpo_megatron.models.hf_config import ModelSpec
 from mugrpo_megatron.models.mapping import map_param, shard_from_hf
+from mugrpo_megatron.models.released import SafetensorsReader
 
 
 def global_layer_numbers(chunk: torch.nn.Module) -> dict[int, int]:
@@ -46,44 +45,17 @@ def named_hf_params(chunk: torch.nn.Module, spec: ModelSpec):
         yield name, param, map_param(name, spec, layer, offset)
 
 
-class SafetensorsReader:
-    """Reads tensors, or only some rows/columns of them, from an HF safetensors checkpoint."""
-
-    def __init__(self, hf_dir: str | Path):
-        hf_dir = Path(hf_dir)
-        index = hf_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: hf_dir / f for name, f in weight_map.items()}
-        elif (hf_dir / "model.safetensors").is_file():
-            with safe_open(hf_dir / "model.safetensors", "pt") as f:
-                self.files = {name: hf_dir / "model.safetensors" for name in f.keys()}
-        else:
-            raise ValueError(f"model.path: no model.safetensors or model.safetensors.index.json in "
-                             f"{hf_dir} (only safetensors checkpoints are read)")
-        self._handles: dict[Path, object] = {}
-        self.read: set[str] = set()
-        """The names read so far (``unread_layer_tensors``)."""
-
-    def __call__(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
-        if name not in self.files:
-            raise ValueError(f"tensor {name!r} is missing from the checkpoint")
-        self.read.add(name)
-        path = self.files[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(path, "pt")
-        handle = self._handles[path]
-        if index is None:
-            return handle.get_tensor(name)  # type: ignore[attr-defined]
-        return handle.get_slice(name)[index]  # type: ignore[attr-defined]
-
-
 @torch.no_grad()
 def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str | Path,
                     tp_rank: int, tp_size: int) -> None:
     """Copy this rank's shards of an HF checkpoint into its chunks; every parameter is checked."""
-    read = SafetensorsReader(hf_dir)
+    read = SafetensorsReader(hf_dir, spec.stored)
     padded = spec.padded_vocab_size(tp_size)
+    if spec.stored is not None and dist.get_rank() == 0:
+        dtype = next(chunks[0].parameters()).dtype
+        print(f"note: {hf_dir} ships its weights in {spec.stored.describe()}: read dequantized "
+              f"into {str(dtype).removeprefix('torch.')}, the dtype the learner trains, syncs "
+              f"and exports", flush=True)
     if spec.mtp_layers and dist.get_rank() == 0:
         print(f"note: {hf_dir} has {spec.mtp_layers} multi-token-prediction layer(s) "
               f"(num_nextn_predict_layers): not loaded, trained or exported; the engine does not "

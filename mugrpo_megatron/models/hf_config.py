@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mugrpo_megatron.models.released import CheckpointQuantization, read_checkpoint_quantization
 from mugrpo_megatron.models.rope import read_rope_scaling
 
 
@@ -236,6 +237,10 @@ class ModelSpec:
     """Share of each head's dimensions rotated by RoPE (partial_rotary_factor)."""
     mla: LatentAttention | None = None
     """Multi-latent attention's dimensions (DeepSeek-V3); None: grouped-query attention."""
+    stored: CheckpointQuantization | None = None
+    """How the checkpoint's weights are stored where it ships them quantized (block FP8, MXFP4:
+    ``models.released``); the learner holds them dequantized in ``model.dtype``. None: as they
+    are."""
 
     @property
     def family(self) -> Family:
@@ -370,6 +375,7 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
         moe = family.moe.read(cfg, source)
         moe["experts_per_token"] = int(cfg["num_experts_per_tok"])
     mla = _latent_attention(cfg, source) if family.latent_attention else None
+    stored = read_checkpoint_quantization(cfg, source)
     rotary = cfg.get("partial_rotary_factor")
     if isinstance(rope_params, dict):  # transformers 5 may keep it with the rope parameters
         rotary = rope_params.get("partial_rotary_factor", rotary)
@@ -393,5 +399,6 @@ def model_spec_from_dict(cfg: dict[str, Any], source: str = "config") -> ModelSp
         init_std=float(cfg.get("initializer_range", 0.02)),
         rotary_fraction=float(rotary or family.rotary_fraction),
         mla=mla,
+        stored=stored,
         **moe,
     )
