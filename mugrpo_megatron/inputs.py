@@ -96,6 +96,14 @@ def check_inputs(cfg: Config, overwrite: bool = False) -> list[str]:
         lines.append("reward.by_source: every key names a source of the data")
     if said := truths.line():
         lines.append(said)
+    if cfg.rollout.tools and tokenizer is not None:  # as train and eval will warn
+        from mugrpo_megatron.trajectory import ToolSetup, tool_warnings
+        from mugrpo_megatron.trajectory.render import TurnRenderer
+        from mugrpo_megatron.trajectory.tools import resolve_tools
+
+        renderer = TurnRenderer(tokenizer, [t.schema for t in resolve_tools(cfg.rollout.tools)],
+                                ToolSetup.of(cfg, tokenizer).template_kwargs)
+        lines += [f"warning: {w}" for w in tool_warnings(cfg.rollout, renderer)]
     if coverage := mixture_coverage(cfg):
         lines.append(coverage)
     if tokenizer is None:

@@ -67,6 +67,13 @@ def write_report(run_dir: Path) -> Path:
                ("generate_seconds", "score_seconds", "sync_seconds", "switch_seconds",
                 "optimize_seconds")}
         total = sum(tot.values())
+        if any("tool_calls" in p for p in phases):  # sampled with tools: each phase, 0s too
+            lines += ["", "| phase | tool calls a response | failed | responses that called | "
+                      "turns a response | tool tokens |", "|---|---|---|---|---|---|"]
+            lines += [f"| {p['phase']} | {p.get('tool_calls', 0):.2f} | "
+                      f"{p.get('tool_error_frac', 0):.0%} | "
+                      f"{p.get('tool_call_response_frac', 0):.0%} | {p.get('turns', 1):.2f} | "
+                      f"{p.get('tool_token_frac', 0):.0%} |" for p in phases]
         lines += ["", "Time split over all phases: " + ", ".join(
             f"{k.removesuffix('_seconds')} {v:.1f}s ({100 * v / total:.0f}%)"
             for k, v in tot.items()) if total else "", ""]

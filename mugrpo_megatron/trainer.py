@@ -207,7 +207,8 @@ class Trainer:
         return PhaseData(directory, drop_uniform=a.uniform_groups != "keep",
                          overlong_filter=a.overlong_filter, pad_id=self.pad_id,
                          dp_rank=layout.dp_rank, dp_size=layout.dp_size,
-                         micro_batch_size=self.cfg.parallel.micro_batch_size)
+                         micro_batch_size=self.cfg.parallel.micro_batch_size,
+                         tools=bool(self.cfg.rollout.tools))
 
     def reference(self, data: PhaseData, rec: PhaseRecord) -> None:
         """``algo.kl_target: reference``: the reference policy's log-probs of every response
@@ -468,7 +469,8 @@ class Trainer:
                     if failed else "")
         self.progress.note(
             f"phase {rec.phase}: {rec.updates} updates (ended: {rec.end}), reward "
-            f"{stats['reward_mean']:.3f}{failures}, {stats['uniform_groups']} uniform groups, "
+            f"{stats['reward_mean']:.3f}{failures}{data.describe_tools(stats)}, "
+            f"{stats['uniform_groups']} uniform groups, "
             f"generate {rec.generate_seconds:.1f}s, sync {rec.sync_seconds:.2f}s, optimize "
             f"{rec.optimize_seconds:.1f}s{gap}")
 

@@ -222,3 +222,25 @@ def test_context_parallel_layouts():
                                          r"parallel\.context > 1"):
         check_model(moe, dataclasses.replace(cfg.model, router_load_balancing="seq_aux_loss",
                                              router_aux_loss_coeff=0.001), cfg.parallel)
+
+
+def test_a_run_config_with_tools_loads_back_as_itself(tmp_path):
+    """A run's config.yaml held the tools' schemas (put into data.chat_template_kwargs from
+    rollout.tools), which the loader refuses: every `rollouts` of a tool run and the resume
+    refusal's own advice failed on it. Written and read back, the config is the same."""
+    cfg = load_config(ROOT / "configs/demo_cpu.yaml", ["rollout.tools=[python]",
+                                                       "data.chat_template_kwargs={flag: true}"])
+    assert [t["function"]["name"] for t in cfg.data.chat_template_kwargs["tools"]] == ["python"]
+    (tmp_path / "config.yaml").write_text(dump_yaml(cfg))
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+@pytest.mark.parametrize("key, ours", [
+    ("rollout.tool_config_path=tools.yaml", "rollout.tools, a list of 'python'"),
+    ("rollout.max_parallel_calls=2", "rollout.max_tool_calls_per_turn"),
+    ("rollout.max_tool_response_length=256", "rollout.tool_output_chars"),
+    ("rollout.max_assistant_turns=4", "rollout.max_turns"),
+    ("data.apply_chat_template_kwargs={enable_thinking: false}", "data.chat_template_kwargs")])
+def test_verls_names_point_to_ours(key, ours):
+    with pytest.raises(ValueError, match=f"{key.split('=')[0]}: verl's name; here it is {ours}"):
+        load_config(ROOT / "configs/demo_cpu.yaml", [key])

@@ -87,3 +87,44 @@ def test_trajectories_on_disk_are_what_the_engine_saw(run):
     finally:
         data.close()
     assert seen > 0
+
+
+def test_each_rows_tool_settings_reach_its_calls_in_a_phases_stream(run, capfd):
+    """verl's ``extra_info.tools_kwargs``: a phase's stream (``EngineFleet.stream``, what
+    ``train`` generates with) gives each prompt's calls that prompt's ``create_kwargs``; the
+    stream dropped them and every row's tool ran with {} (``tag=None``). Settings for a tool the
+    run lacks are warned of, once."""
+    from mugrpo_megatron.config import RolloutConfig
+    from mugrpo_megatron.engines import SamplingSpec, make_engine
+    from mugrpo_megatron.engines.fleet import EngineFleet
+    from mugrpo_megatron.rewards.sandbox_spec import SandboxSpec
+    from mugrpo_megatron.trajectory import ToolSetup
+
+    hf, _ = run
+    tok = AutoTokenizer.from_pretrained(hf)
+    cfg = RolloutConfig(tools=("tool_helpers:python",), max_turns=2, tool_workers=1)
+    inner = make_engine(cfg, hf, dtype="float32", max_model_len=400)
+    engine = ToolSetup(tok, {}, SandboxSpec()).wrap(inner, cfg, leader=True)
+    try:
+        fleet = EngineFleet(engine, cfg)
+        prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + 1?"}],
+                                               add_generation_prompt=True, tokenize=False),
+                       add_special_tokens=False)["input_ids"] for a in (2, 3, 4)]
+        tags = {i: f"row{i}" for i in range(3)}
+        sampling = SamplingSpec(n=2, max_new_tokens=300, seed=5)
+        seen = {}
+        for i, gens in fleet.stream(prompts, sampling, positions=[0, 1, 2],
+                                    rows=lambda i: {"python": {"create_kwargs": {"tag": tags[i]}},
+                                                    "search": {}}):
+            seen[i] = [tok.decode(g.token_ids) for g in gens if g.tool_calls]
+    finally:
+        engine.shutdown()
+    answered = 0  # calls the tool answered (a malformed one gets an error message instead)
+    for i, texts in seen.items():
+        for text in texts:
+            assert "tag=None" not in text and all(f"tag={t}" not in text for t in tags.values()
+                                                  if t != tags[i]), (i, text)
+            answered += f"tag={tags[i]}" in text
+    assert answered >= 3, seen  # the taught policy calls
+    err = capfd.readouterr().err
+    assert err.count("name the tool 'search', which rollout.tools does not have") == 1, err

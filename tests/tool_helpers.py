@@ -45,3 +45,27 @@ def sleepy(seconds: float) -> str:
 def answered_42(completion: str, answer: str) -> float:
     """A reward for the tool-calling tiny policy: 1 where the model's text boxes 42."""
     return float("\\boxed{42}" in completion)
+
+
+def python(code: str, create_kwargs: dict | None = None) -> str:
+    """Answers with its row's tag instead of running anything: a stand-in under the name the
+    tiny tool policy was taught to call, to see which row's settings reach a call.
+
+    Args:
+        code: The program (not run).
+    """
+    return f"tag={(create_kwargs or {}).get('tag')}"
+
+
+def noisy(x: str) -> str:
+    """Prints a lot, answers briefly.
+
+    Args:
+        x: Anything.
+    """
+    import sys
+
+    for _ in range(100):
+        print("NOISE from a tool")
+        print("NOISE on stderr", file=sys.stderr)
+    return f"quiet {x}"

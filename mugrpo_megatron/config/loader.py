@@ -78,6 +78,22 @@ RENAMED = {"model.recompute_activations": "model.recompute: none, selective or f
                                    "section: samples, temperature, top_p, max_new_tokens, "
                                    "pass_k)"}
 """Keys of earlier releases, and what a config now says instead."""
+PEER_NAMES = {
+    "rollout.tool_config_path": "rollout.tools, a list of 'python' (the model's code run in "
+                                "reward.sandbox; verl's SandboxFusionTool) or 'module:function' "
+                                "(a function's docstring is its schema, or its tool_schema "
+                                "attribute)",
+    "rollout.multi_turn": "rollout.tools, rollout.max_turns, rollout.max_tool_calls_per_turn, "
+                          "rollout.tool_output_chars and rollout.tool_format (no section)",
+    "rollout.max_assistant_turns": "rollout.max_turns",
+    "rollout.max_parallel_calls": "rollout.max_tool_calls_per_turn",
+    "rollout.max_tool_response_length": "rollout.tool_output_chars (characters, its middle cut)",
+    "rollout.tool_response_truncate_side": "rollout.tool_output_chars, which keeps both ends "
+                                           "(verl's 'middle')",
+    "rollout.format": "rollout.tool_format",
+    "data.apply_chat_template_kwargs": "data.chat_template_kwargs",
+}
+"""verl's names for keys this config has under another name (README, 'Coming from verl')."""
 
 
 def from_dict(cls: type, raw: Any, prefix: str) -> Any:
@@ -91,6 +107,9 @@ def from_dict(cls: type, raw: Any, prefix: str) -> Any:
     for key, value in raw.items():
         if f"{prefix}{key}" in RENAMED:
             raise ValueError(f"{prefix}{key}: replaced by {RENAMED[f'{prefix}{key}']}")
+        if f"{prefix}{key}" in PEER_NAMES and key not in names:
+            raise ValueError(f"{prefix}{key}: verl's name; here it is "
+                             f"{PEER_NAMES[f'{prefix}{key}']}")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else f"; known keys: {', '.join(names)}"
@@ -229,4 +248,10 @@ def describe(cfg: Config | None = None) -> str:
 
 
 def dump_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """``cfg`` as YAML that ``load_config`` reads back to ``cfg`` (a run's ``config.yaml``): the
+    tools' schemas the config puts into data.chat_template_kwargs from rollout.tools are left
+    out (no YAML key takes them) and made again as it loads."""
+    data = to_dict(cfg)
+    if cfg.rollout.tools:
+        data["data"]["chat_template_kwargs"].pop("tools", None)
+    return yaml.safe_dump(data, sort_keys=False)

@@ -127,12 +127,18 @@ class RolloutConfig(Section):
     tool_output_chars: int = 1024
     """A tool message's text is cut to this many characters, its beginning and end kept (verl:
     multi_turn.max_tool_response_length with tool_response_truncate_side: middle)."""
+    max_tool_calls_per_turn: int = 4
+    """Calls of one model turn that run at most: its first this many; the rest are answered by
+    one error message saying they were not run, each counted as a failed call, so a turn that
+    writes hundreds of calls costs one message, not hundreds of sandboxed runs. verl:
+    multi_turn.max_parallel_calls (there 1 by default)."""
 
     def __post_init__(self) -> None:
         self._positive("tensor_parallel", "group_size", "max_new_tokens", "cpu_kv_cache_gib",
                        "start_timeout_minutes", "weight_bucket_mb", "shard_prompts")
         self._non_negative("mismatch_check_samples", "max_inflight_prompts", "max_num_seqs")
-        self._positive("max_turns", "tool_workers", "tool_timeout_s", "tool_output_chars")
+        self._positive("max_turns", "tool_workers", "tool_timeout_s", "tool_output_chars",
+                       "max_tool_calls_per_turn")
         if self.tool_format not in CALL_FORMATS:
             self._fail("tool_format", f"must be one of {list(CALL_FORMATS)}")
         if len(set(self.tools)) != len(self.tools):

@@ -25,7 +25,7 @@ waiting in a collective.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -224,15 +224,18 @@ class EngineFleet:
         return inflight_prompts(self.cfg, self.engine.streams, self.engine.max_running_sequences)
 
     def stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-               positions: Sequence[int], rows=None) -> Iterator[tuple[int, list[Generation]]]:
+               positions: Sequence[int], rows: Callable[[int], dict] | None = None
+               ) -> Iterator[tuple[int, list[Generation]]]:
         """This rank's replica streams ``prompts`` (its share of a phase, at phase ``positions``)
         with ``queued`` of them in its engine at once, yielding ``(i, responses)`` as each group
         finishes; nothing on a rank without an engine. Not collective: the caller agrees on how
         it ended (``phase.generation.generate_phase``)."""
         if self.engine is None:
             return iter(())
+        # each prompt's tool settings to the tools (``rows(i)``, i in ``prompts``), as generate
+        extra = {"rows": rows} if rows is not None and self.engine.takes_rows else {}
         return self.engine.generate_stream(prompts, sampling, positions=positions,
-                                           max_in_flight=self.queued)
+                                           max_in_flight=self.queued, **extra)
 
     def replica_agree(self, value: int) -> int:
         """The replica leader's ``value`` on every rank of its replica (not collective over the

@@ -173,7 +173,8 @@ class PhaseData:
     stay as indexed)."""
 
     def __init__(self, directory: Path, drop_uniform: bool, *, overlong_filter: bool = False,
-                 pad_id: int = 0, dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int = 1):
+                 pad_id: int = 0, dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int = 1,
+                 tools: bool = False):
         index = open_table(directory / "index.arrow")
         meta = index.schema.metadata or {}
         names = json.loads(meta[b"shards"])
@@ -201,6 +202,9 @@ class PhaseData:
                     np.full(n, default, np.int32))
         self.has_tools = bool(self.tool_calls.any())
         """Whether any response of the phase called a tool (its batches then mask tool tokens)."""
+        self.tools = tools or self.has_tools
+        """Whether the phase was sampled with tools (``rollout.tools``): its trajectory numbers
+        are reported, at 0 where nothing called."""
         self.sources: list[str] = json.loads(meta.get(b"sources", b'[""]'))
         self.planned_groups = int(meta.get(b"planned_groups", n // self.group_size))
         """The groups the phase was planned for; refill's further groups are beyond them."""
@@ -346,10 +350,10 @@ class PhaseData:
         return replace(batch, response_mask=keep, is_weight=weight)
 
     def trajectory_stats(self, rows: np.ndarray) -> dict:
-        """The trajectories of phase rows ``rows`` in numbers (none without tool calls): model
-        turns and tool calls a response, the share of calls that failed, of the responses'
-        tokens that tool messages hold, and of responses that called (vectorised)."""
-        if not self.has_tools:
+        """The trajectories of phase rows ``rows`` in numbers (none for a phase sampled without
+        tools): model turns and tool calls a response, the share of calls that failed, of the
+        responses' tokens that tool messages hold, and of responses that called (vectorised)."""
+        if not self.tools:
             return {}
         calls = int(self.tool_calls[rows].sum())
         tokens = int(self.response_len[rows].sum(dtype=np.int64))
@@ -358,6 +362,16 @@ class PhaseData:
                 "tool_error_frac": int(self.tool_errors[rows].sum()) / calls if calls else 0.0,
                 "tool_token_frac": int(self.tool_tokens[rows].sum()) / tokens if tokens else 0.0,
                 "tool_call_response_frac": float((self.tool_calls[rows] > 0).sum()) / n}
+
+    @staticmethod
+    def describe_tools(stats: dict) -> str:
+        """``trajectory_stats``' numbers in words ('' for a phase sampled without tools)."""
+        if "tool_calls" not in stats:
+            return ""
+        return (f", tools: {stats['tool_calls']:.2f} calls a response "
+                f"({stats['tool_error_frac']:.0%} failed, {stats['tool_call_response_frac']:.0%}"
+                f" of responses called), {stats['turns']:.2f} turns, tool messages "
+                f"{stats['tool_token_frac']:.0%} of tokens")
 
     def stats(self) -> dict:
         """The phase's summary numbers (vectorised over the index): the task reward (without the

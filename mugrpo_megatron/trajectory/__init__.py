@@ -16,6 +16,7 @@ engines. Light to import: the engine and the pool are imported where they are ma
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,9 +54,27 @@ class ToolSetup:
         renderer = TurnRenderer(self.tokenizer, [s.schema for s in specs], self.template_kwargs)
         pool = ToolPool(specs, self.sandbox, r.tool_workers, r.tool_timeout_s,
                         r.tool_output_chars) if leader else None
+        if leader:
+            for warning in tool_warnings(r, renderer):
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
         fmt = call_format(getattr(self.tokenizer, "chat_template", None), r.tool_format)
         return ToolEngine(engine, renderer, pool, call_format=fmt, max_turns=r.max_turns,
-                          agree=agree)
+                          max_calls=r.max_tool_calls_per_turn, agree=agree)
+
+
+def tool_warnings(r, renderer) -> list[str]:
+    """What in ``rollout`` settings ``r`` and the chat template (``renderer``'s) runs, but
+    not as a user would expect: said at the start of ``train``, ``eval`` and in ``plan``."""
+    out = []
+    if not renderer.shows_tools():
+        out.append("the chat template renders a prompt the same with the tools as without: the "
+                   "model is never shown its tools (rollout.tools). Give the tokenizer a template "
+                   "with a tool section (chat_template.jinja in model.path)")
+    if r.max_turns == 1:
+        out.append("rollout.max_turns is 1 with rollout.tools: a turn that calls a tool ends "
+                   "its trajectory, so no call is ever answered; 2 or more lets the model read "
+                   "its tools' answers")
+    return out
 
 
 def tool_rows(prompt) -> dict:

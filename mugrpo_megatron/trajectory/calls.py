@@ -9,8 +9,9 @@
   ``<|python_tag|>``; several separated by ``;``.
 
 A call the model made but that cannot be used (not JSON, no name, arguments that are not an
-object, an unclosed tag) is still a call: it comes back as ``ToolCall`` with ``error`` set, and
-the model is told so in the tool's message. Plain text is no call.
+object, nested deeper than ``MAX_DEPTH``, an unclosed tag) is still a call: it comes back as
+``ToolCall`` with ``error`` set, and the model is told so in the tool's message. Plain text is no
+call. Nothing a model writes makes the parser raise: a turn is whatever the policy sampled.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ CALL_FORMATS: tuple[str, ...] = ("auto", "hermes", "llama3_json")
 
 _HERMES = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+MAX_DEPTH = 32
+"""Arguments nested deeper than this are refused as a malformed call (Python's JSON reader
+recurses a level a frame: a call nested ~1,000 deep raised RecursionError out of a turn)."""
 
 
 @dataclass(frozen=True)
@@ -71,14 +75,28 @@ def parse_calls(text: str, fmt: str) -> list[ToolCall]:
     raise ValueError(f"unknown tool call format {fmt!r} (one of {CALL_FORMATS[1:]})")
 
 
+def capped(calls: list[ToolCall], most: int) -> tuple[list[ToolCall], int]:
+    """A turn's calls as they are run: its first ``most``, then, where it made more, one
+    malformed call whose error tells the model the others were not run; and how many those
+    were (``rollout.max_tool_calls_per_turn``)."""
+    over = len(calls) - most
+    if over <= 0:
+        return calls, 0
+    note = ToolCall(calls[most].name, error=f"{over} more call(s) in this turn were not run: at "
+                                            f"most {most} a turn (rollout.max_tool_calls_per_turn)")
+    return calls[:most] + [note], over
+
+
 def _split_objects(body: str) -> list[str]:
     """``{...}; {...}`` as its objects' texts (a part that is not JSON stays whole: an error)."""
     decoder = json.JSONDecoder()
     parts, at = [], 0
+    if _depth(body) > MAX_DEPTH:
+        return [body]  # one malformed call: _call says why
     while at < len(body):
         try:
             _, end = decoder.raw_decode(body, at)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError, ValueError):
             parts.append(body[at:])
             break
         parts.append(body[at:end])
@@ -88,13 +106,39 @@ def _split_objects(body: str) -> list[str]:
     return parts
 
 
+def _depth(body: str) -> int:
+    """How deep JSON text nests its objects and arrays, strings skipped (no recursion)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 def _call(body: str, key: str, closed: bool = True) -> ToolCall:
     if not closed:
         return ToolCall("", error="a <tool_call> was not closed with </tool_call>")
+    if _depth(body) > MAX_DEPTH:
+        return ToolCall("", error=f"the call nests its JSON deeper than {MAX_DEPTH} levels")
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
         return ToolCall("", error=f"the call is not valid JSON ({e.msg} at character {e.pos})")
+    except (RecursionError, ValueError) as e:  # what MAX_DEPTH's count may miss: not a call
+        return ToolCall("", error=f"the call cannot be read as JSON ({type(e).__name__})")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return ToolCall("", error='the call is not a JSON object with a "name"')
     args = obj.get(key, obj.get("arguments" if key != "arguments" else "parameters", {}))

@@ -29,13 +29,14 @@ where the tools answer the same.
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from mugrpo_megatron.engines.base import RolloutEngine, TurnRequest, WeightSyncStats
-from mugrpo_megatron.trajectory.calls import ToolCall, parse_calls
+from mugrpo_megatron.trajectory.calls import ToolCall, capped, parse_calls
 from mugrpo_megatron.trajectory.render import TurnRenderer
 from mugrpo_megatron.trajectory.tools import ToolPool, ToolResult
 from mugrpo_megatron.types import Generation, SamplingSpec
@@ -76,13 +77,17 @@ class ToolEngine(RolloutEngine):
     takes_rows = True
 
     def __init__(self, inner: RolloutEngine, renderer: TurnRenderer, tools: ToolPool | None,
-                 *, call_format: str, max_turns: int,
+                 *, call_format: str, max_turns: int, max_calls: int = 4,
                  agree: Callable[[object], object] | None = None):
         self.inner = inner
         self.renderer = renderer
         self.tools = tools
         self.call_format = call_format
         self.max_turns = max_turns
+        self.max_calls = max_calls
+        """Calls of a turn that run (``rollout.max_tool_calls_per_turn``)."""
+        self._unknown: set[str] = set()
+        """Tools named by rows' settings but not run here, each warned of once."""
         self.agree = agree
         """The replica leader's value on every rank of its replica (None: a one-rank replica)."""
         self.supports_sleep = inner.supports_sleep
@@ -160,6 +165,8 @@ class ToolEngine(RolloutEngine):
                 running -= len(finished)
                 for key, gen in finished:
                     row = rows(key // g) if rows is not None and self.tools is not None else None
+                    if row:
+                        self._check_row(row, positions[key // g])
                     if self._took_turn(samples[key], gen, sampling.max_new_tokens, row):
                         tooling.append(key)
                     else:
@@ -180,6 +187,17 @@ class ToolEngine(RolloutEngine):
         finally:
             self.inner.abort_turns()
 
+    def _check_row(self, row: dict, position: int) -> None:
+        """Warn, once a tool name, where a row's settings name a tool the run does not have
+        (their settings would go nowhere, silently)."""
+        for name in sorted(set(row) - set(self.tools.tools)) if self.tools is not None else ():
+            if name not in self._unknown:
+                self._unknown.add(name)
+                print(f"warning: the tool settings of the prompt at position {position} "
+                      f"(extra_info.tools_kwargs) name the tool {name!r}, which rollout.tools "
+                      f"does not have ({', '.join(sorted(self.tools.tools))}): its settings "
+                      f"reach no call", file=sys.stderr, flush=True)
+
     def _took_turn(self, s: _Sample, gen: Generation, budget: int, row: dict | None) -> bool:
         """Append a model turn; whether it called tools that will run (else ``s.finish`` says
         why it ended)."""
@@ -198,6 +216,8 @@ class ToolEngine(RolloutEngine):
         if s.turns >= self.max_turns:
             s.finish = "turns"
             return False
+        calls, over = capped(calls, self.max_calls)
+        s.errors += max(0, over - 1)  # each call not run counts failed; one message says so
         s.pending = [(c, self.tools.submit(c, row) if self.tools is not None else None)
                      for c in calls]
         return True

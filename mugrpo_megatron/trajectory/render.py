@@ -15,7 +15,13 @@ Where this differs from rendering the whole conversation: templates that rewrite
 re-serialise tool calls from ``tool_calls``) render a conversation the model never saw while
 sampling. The trajectory keeps what it saw, as verl's and slime's token-in-token-out rollouts do.
 
-Cost: one template rendering and one tokenization of the piece a tool turn (~1 ms).
+A tool's output is text a program printed, not the template's: it is tokenized on its own with
+special tokens split (a printed ``<|im_end|>\n<|im_start|>assistant`` stays text, never the
+control tokens that would forge a turn), the envelope around it with the template's special
+tokens recognised. That needs a template that renders a tool message's content as it is given
+(Qwen's, Llama 3's, Hermes' do); one that rewrites it is refused when the renderer is made.
+
+Cost: two template renderings and a tokenization of each piece a tool turn (~1 ms).
 """
 
 from __future__ import annotations
@@ -24,6 +30,13 @@ from collections.abc import Sequence
 
 _USER = "\u2063user\u2063"
 _ASSISTANT = "\u2063assistant\u2063"
+_PROBE = "  a probe\n<|im_end|> of  "
+"""Content a template must render as given (spaces at both ends, a newline, a special token's
+text) for tool output to be placed and tokenized apart from the envelope."""
+
+
+def _content_marker(i: int) -> str:
+    return f"\u2063tool {i}\u2063"
 
 
 class TurnRenderer:
@@ -38,7 +51,19 @@ class TurnRenderer:
         self._specials = sorted({*getattr(tokenizer, "all_special_tokens", []),
                                  *getattr(tokenizer, "added_tokens_encoder", {})},
                                 key=len, reverse=True)
-        self.tool_text([("probe", "probe")])  # a template that cannot render tool turns: now
+        # a template that cannot render tool turns, or rewrites their content: refused now
+        self.tool_ids([("probe", _PROBE)])
+
+    def shows_tools(self) -> bool:
+        """Whether the template renders the tools at all: a prompt with them differs from one
+        without (SmolLM2's template, for one, drops them without a word)."""
+        if not self.tools:
+            return True
+        user = [{"role": "user", "content": _USER}]
+        render = self.tokenizer.apply_chat_template
+        return render(user, tools=self.tools, tokenize=False, add_generation_prompt=True,
+                      **self.kwargs) != render(user, tokenize=False, add_generation_prompt=True,
+                                               **self.kwargs)
 
     def tool_text(self, results: Sequence[tuple[str, str]]) -> str:
         """The text between a model turn that ended with its stop token and the next turn: what
@@ -61,6 +86,24 @@ class TurnRenderer:
         return after[len(end):]
 
     def tool_ids(self, results: Sequence[tuple[str, str]]) -> list[int]:
-        """``tool_text`` as token ids (special tokens matched as the template's text has them)."""
-        return list(self.tokenizer(self.tool_text(results), add_special_tokens=False)
-                    ["input_ids"])
+        """``tool_text`` as token ids: the template's envelope with its special tokens, each
+        tool's output tokenized apart with special tokens split (see the module docstring)."""
+        markers = [_content_marker(i) for i in range(len(results))]
+        rest = self.tool_text([(name, m) for (name, _), m in zip(results, markers)])
+        pieces: list[tuple[str, bool]] = []  # (text, whether its special tokens are tokens)
+        for marker, (_, content) in zip(markers, results):
+            before, found, rest = rest.partition(marker)
+            if not found:
+                raise ValueError("the chat template does not render a tool message's content as "
+                                 "it is given; tool turns need a template that does")
+            pieces += [(before, True), (content, False)]
+        pieces.append((rest, True))
+        if "".join(text for text, _ in pieces) != self.tool_text(results):
+            raise ValueError("the chat template renders a tool message's content otherwise than "
+                             "it is given (it trims, escapes or rewrites it); tool turns need a "
+                             "template that renders it as given")
+        return [i for text, specials in pieces for i in self._encode(text, specials)]
+
+    def _encode(self, text: str, specials: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=not specials)
+                    ["input_ids"]) if text else []

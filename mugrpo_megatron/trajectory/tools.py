@@ -24,8 +24,10 @@ middle``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import io
 import json
 import multiprocessing
 import os
@@ -46,22 +48,38 @@ PYTHON_SCHEMA = {"type": "function", "function": {
         "code": {"type": "string", "description": "The Python program to run."}},
         "required": ["code"]}}}
 
-_NOTEBOOK = '''import ast, sys
+_NOTEBOOK = '''import ast, linecache, os, sys, traceback
 sys.stderr = sys.stdout
-source = open("/sandbox/code.py").read()
-tree = ast.parse(source, "code.py")
-last = None
-if tree.body and isinstance(tree.body[-1], ast.Expr):
-    last = ast.Expression(tree.body.pop().value)
-scope = {"__name__": "__main__"}
-exec(compile(tree, "code.py", "exec"), scope)
-if last is not None:
-    value = eval(compile(last, "code.py", "eval"), scope)
-    if value is not None:
-        print(repr(value))
+here = os.path.dirname(os.path.abspath(__file__))
+path = os.path.join(here, "code.py")
+if not os.path.exists(path):  # a service that writes the files where it runs, not beside it
+    path = "code.py"
+source = open(path).read()
+linecache.cache["code.py"] = (len(source), None, source.splitlines(True), "code.py")
+try:
+    tree = ast.parse(source, "code.py")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    scope = {"__name__": "__main__"}
+    exec(compile(tree, "code.py", "exec"), scope)
+    if last is not None:
+        value = eval(compile(last, "code.py", "eval"), scope)
+        if value is not None:
+            print(repr(value))
+except SystemExit:
+    raise
+except BaseException as e:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != "code.py":
+        tb = tb.tb_next
+    traceback.print_exception(type(e), e, tb)
+    sys.exit(1)
 '''
-"""The program the python tool runs: the model's code as a notebook cell, errors to stdout (the
-sandbox keeps stdout only)."""
+"""The program the python tool runs: the model's code (``code.py`` beside it: the sandbox's
+``/sandbox``, an unsafe run's directory, or a SandboxFusion service's working directory) as a
+notebook cell, errors to stdout (the sandbox keeps stdout only), a traceback from the model's
+code down, its lines shown, the harness's frames left out."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +242,8 @@ def _call_tool(spec: ToolSpec, arguments: dict, row: dict, sandbox: SandboxSpec
         fn = _FN_CACHE.get(spec.path) or _FN_CACHE.setdefault(spec.path,
                                                               _import(spec.path, spec.name))
         extra = {k: dict(row.get(k) or {}) for k in spec.takes_row}
-        value = fn(**arguments, **extra)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            value = fn(**arguments, **extra)  # what it prints is not the trainer's console's
         return True, value if isinstance(value, str) else json.dumps(value, default=str)
     except Exception as e:  # noqa: BLE001 - told to the model, counted
         return False, f"Error: {type(e).__name__}: {str(e)[:500]}"
