@@ -57,7 +57,9 @@ def test_test_cases_and_comparisons():
         with pytest.raises(ValueError, match=why):
             parse_cases(bad)
     assert stdout_matches("3  \n\n", "3") and stdout_matches("1 2\r\n3\n", "1 2\n3")
-    assert stdout_matches("0.3333333", "0.33333333") and stdout_matches("1.0 2", "1 2.0")
+    assert stdout_matches("0.3333333", "0.33333333") and stdout_matches("1 2.0", "1 2.0")
+    # an expected integer takes an integer only (issue 63), an expected float an integer too
+    assert not stdout_matches("1.0 2", "1 2.0") and stdout_matches("1 2", "1 2.0")
     assert not stdout_matches("3 4", "3") and not stdout_matches("abc", "abd")
     assert not stdout_matches("0.34", "0.33")
     assert value_matches([1, 2], [1, 2]) and value_matches([1, 2], [[1, 2]])  # APPS' wrapping

@@ -114,6 +114,26 @@ print(json.dumps([got.status, got.stdout]))
     ("clone_namespace", "print(call(SYS['clone'], 0x10000000 | 17, 0, 0, 0, 0))", "EPERM"),
     ("vsock", "import socket\ntry:\n    socket.socket(40, socket.SOCK_STREAM)\n    print('ok')\n"
               "except OSError as e:\n    print(errno.errorcode[e.errno])", "EAFNOSUPPORT"),
+    # second red team: the family in the high 32 bits of the register (the kernel reads an int)
+    ("vsock_high_bits", "print(call(SYS['socket'], 0x1_0000_0028, 1, 0))", "EAFNOSUPPORT"),
+    # the page cache's state, a channel between runs
+    ("mincore", "import mmap\nm = mmap.mmap(-1, 4096)\nv = ctypes.create_string_buffer(8)\n"
+                "print(call(SYS['mincore'], ctypes.addressof(ctypes.c_char.from_buffer(m)), "
+                "4096, ctypes.addressof(v)))", "EPERM"),
+    ("readahead", "print(call(SYS['readahead'], os.open(sys.executable, os.O_RDONLY), 0, 4096))",
+     "EPERM"),
+    ("fadvise_dontneed", "print(call(SYS['fadvise64'], os.open(sys.executable, os.O_RDONLY), 0, "
+                         "4096, 4))", "EPERM"),
+    ("preadv2_nowait", "b = ctypes.create_string_buffer(64)\n"
+                       "iov = (ctypes.c_void_p * 2)(ctypes.addressof(b), 64)\n"
+                       "fd = os.open(sys.executable, os.O_RDONLY)\n"
+                       "print(call(SYS['preadv2'], fd, ctypes.addressof(iov), 1, 0, 0, 8), "
+                       "call(SYS['preadv2'], fd, ctypes.addressof(iov), 1, 0, 0, 0))",
+     "EPERM ok"),
+    ("io_setup", "c = ctypes.c_ulong(0)\nprint(call(SYS['io_setup'], 4, ctypes.addressof(c)))",
+     "EPERM"),
+    ("pty", "try:\n    os.openpty()\n    print('ok')\nexcept OSError as e:\n"
+            "    print(errno.errorcode[e.errno])", "ENOENT"),
 ])
 def test_system_calls_code_tests_never_need_are_refused(name, program, want):
     """The seccomp filter (rewards/syscalls.py): each call answers the refusal it is given."""
@@ -122,9 +142,47 @@ def test_system_calls_code_tests_never_need_are_refused(name, program, want):
     arch = pyseccomp.system_arch()
     numbers = {n: pyseccomp.resolve_syscall(arch, n) for n in (
         "shmget", "memfd_create", "io_uring_setup", "userfaultfd", "perf_event_open", "unshare",
-        "clone")}
+        "clone", "socket", "mincore", "readahead", "fadvise64", "preadv2", "io_setup")}
     got = run_python(SPEC, {"m.py": SYSCALL + f"SYS = {numbers!r}\n" + program}, "m.py")
-    assert got.status == "ok" and got.stdout.split() == [want], (name, got)
+    assert got.status == "ok" and got.stdout.split() == want.split(), (name, got)
+
+
+TCP_HOG = '''import errno, socket
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(512)
+held, pairs, chunk = 0, [], b"x" * (1 << 20)
+try:
+    for _ in range(120):
+        c = socket.socket()
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 20)
+        c.connect(srv.getsockname())
+        s, _ = srv.accept()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
+        c.setblocking(False)
+        pairs.append((c, s))
+        while True:
+            try:
+                held += c.send(chunk)
+            except OSError:
+                break
+except OSError as e:
+    print("stopped", errno.errorcode.get(e.errno))
+print("held_mb", held >> 20)
+'''
+
+
+@needs_bwrap
+@needs_group
+def test_socket_buffers_are_the_runs_memory():
+    """Second red team: TCP buffers on the sandbox's own loopback were charged to no limit on
+    cgroup v1 (1.2 GB held under 128 MiB, unread sends between socket pairs); now its
+    memory.kmem.tcp limit is the run's memory (v2 counts them in memory.current)."""
+    spec = SandboxSpec(cpu_s=5.0, wall_s=30.0, memory_mb=128, processes=16)
+    got = run_python(spec, {"m.py": TCP_HOG}, "m.py")
+    if got.status == "memory":  # v2: the buffers are the group's memory
+        return
+    assert got.status == "ok" and int(got.stdout.split("held_mb")[1]) < 128, got
 
 
 @needs_bwrap
@@ -209,6 +267,13 @@ def test_integers_are_compared_exactly():
     assert value_matches(0.1 + 0.2, 0.3) and value_matches(3, 3.0000001)
     assert not stdout_matches("9" * 5000, "9" * 4999 + "8")  # past Python's int limit: as text
     assert not value_matches(10**400, 1e300)  # past a float: no OverflowError
+    # an expected integer needs an integer answer: a float or an underscored literal near it
+    # passed within 1e-5 (second red team)
+    for near in ("1000009007.0", "1_000_009_007", "1000000007.0", "1e9"):
+        assert not stdout_matches(near, "1000000007"), near
+    assert not value_matches(1000009007.0, 1000000007) and not value_matches(7.0, 7)
+    assert not value_matches([1000000007.0], "[1000000007]")
+    assert stdout_matches("2.5000001", "2.5") and value_matches(2.5000001, 2.5)
 
 
 def test_an_untagged_block_after_the_program_is_not_the_program():
@@ -271,6 +336,41 @@ def test_what_dead_workers_left_is_removed_at_start(tmp_path, monkeypatch):
         os.utime(d, (hour_ago, hour_ago))
     assert left in remove_orphans()
     assert not left.exists() and mine.exists() and recent.exists()
+    # named with this PID namespace (as runs name theirs now), a dead worker's is removed at
+    # once: the next worker's start, not ten minutes later
+    ours = tmp_path / f"mugrpo-sandbox-{dead.pid}.{os.stat('/proc/self/ns/pid').st_ino}-jkl"
+    ours.mkdir()
+    assert ours in remove_orphans() and not ours.exists() and recent.exists()
+
+
+@needs_bwrap
+@needs_group
+def test_a_pool_that_closes_leaves_no_group_of_its_workers():
+    """A worker's control group was removed by its exit handler, which a pool's stop does not
+    let run (nor os._exit): its groups stayed until a later start. Closing the pool removes
+    them."""
+    from mugrpo_megatron.rewards import cgroups
+    from mugrpo_megatron.trajectory.calls import ToolCall
+    from mugrpo_megatron.trajectory.tools import ToolPool, resolve_tools
+
+    def groups(pid: int) -> set:  # the worker's, not those of tests beside this one
+        own = cgroups._own_groups()
+        bases = [cgroups.ROOT / own[""].lstrip("/")] if (cgroups.ROOT / "cgroup.controllers") \
+            .is_file() else [cgroups.ROOT / c / own[c].lstrip("/") for c in ("memory", "cpuacct")
+                             if c in own]
+        return {d for b in bases for d in b.glob(f"{cgroups.PREFIX}{pid}-*")}
+
+    pool = ToolPool(resolve_tools(("python", "tool_helpers:worker_pid")), SPEC, workers=1,
+                    timeout_s=60.0, output_chars=100)
+    try:
+        call = ToolCall("python", {"code": "print(1)"})
+        assert pool.result(call, pool.submit(call)).text == "1\n"
+        which = ToolCall("worker_pid", {})
+        pid = int(pool.result(which, pool.submit(which)).text)
+        assert groups(pid)  # its run's group, kept for its next run
+    finally:
+        pool.close()
+    assert not groups(pid)
 
 
 def test_the_keyring_call_the_child_makes_is_keyctls():

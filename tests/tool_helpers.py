@@ -69,3 +69,10 @@ def noisy(x: str) -> str:
         print("NOISE from a tool")
         print("NOISE on stderr", file=sys.stderr)
     return f"quiet {x}"
+
+
+def worker_pid() -> int:
+    """The pid of the worker process that runs the call."""
+    import os
+
+    return os.getpid()

@@ -1,7 +1,7 @@
 """A control group for a scoring worker's sandboxed runs, where the scorer may make one: each run's
 whole tree held to ``reward.sandbox_memory_mb`` of memory (what the per-process address-space
 limit misses too: System V segments, memfd files, the page cache and kernel memory of its tmpfs
-files), and its CPU time summed over every process of it (the watcher ends the run past
+files, socket buffers), and its CPU time summed over every process of it (the watcher ends the run past
 ``sandbox_cpu_s``; ``RLIMIT_CPU`` is per process). Processes stay bounded by ``RLIMIT_NPROC``
 (a user of its own a run, as root): a pids limit on a group its runs share would count the tasks
 of earlier runs' PID namespaces that the kernel has not released yet (seen here: one more a run
@@ -135,6 +135,12 @@ class RunGroup:
             swap = dirs["memory"] / "memory.memsw.limit_in_bytes"
             if swap.exists():
                 swap.write_text(str(memory_bytes))
+            # v1 charges socket buffers to a counter of their own, which memory.limit_in_bytes
+            # does not cover (a program held 1.2 GB of TCP buffers on loopback under 128 MiB);
+            # v2 charges them to memory.current, under memory.max
+            tcp = dirs["memory"] / "memory.kmem.tcp.limit_in_bytes"
+            if tcp.exists():
+                tcp.write_text(str(memory_bytes))
         except OSError:
             group.remove()
             raise

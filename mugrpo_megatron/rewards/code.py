@@ -27,10 +27,12 @@ A ground truth that is not such an object is a reward failure, counted and named
 
 **Outputs are compared** as those datasets' checkers do, loosest first-match: standard output
 equals the expected one line by line after trailing whitespace and trailing blank lines are
-dropped, or else token by token (whitespace-separated): two integers exactly (1000000012 is not
-1000000007, as APPS' ``np.allclose`` would let it be: answers modulo 10^9 + 7 are common), other
-numbers within ``math.isclose(rel_tol=1e-5, abs_tol=1e-8)`` (its defaults). A returned value
-equals the expected one (tuples as lists, integers exactly, floats within the same tolerance),
+dropped, or else token by token (whitespace-separated): an expected integer only by an integer
+equal to it (1000000012 is not 1000000007, as APPS' ``np.allclose`` would let it be: answers
+modulo 10^9 + 7 are common; nor is 1000000007.0 or 1_000_000_007), other numbers within
+``math.isclose(rel_tol=1e-5, abs_tol=1e-8)`` (its defaults). A returned value equals the
+expected one (tuples as lists, an expected integer only by an equal integer, floats within the
+same tolerance),
 or the single element of an expected one-element list (APPS stores call outputs so). Whatever
 comes back from the program (any line, nesting or number size) is data: what cannot be read
 fails that case, never the reward.
@@ -174,8 +176,9 @@ def stdout_matches(got: str, want: str) -> bool:
 def _tokens_equal(x: str, y: str) -> bool:
     if x == y:
         return True
-    if _INTEGER.fullmatch(x) and _INTEGER.fullmatch(y):  # integers exactly
-        return len(x) <= _DIGITS and len(y) <= _DIGITS and int(x) == int(y)
+    if _INTEGER.fullmatch(y):  # an expected integer: an equal integer, nothing near it
+        return bool(_INTEGER.fullmatch(x)) and len(x) <= _DIGITS and len(y) <= _DIGITS \
+            and int(x) == int(y)
     nx, ny = _number(x), _number(y)
     return nx is not None and ny is not None and _close(nx, ny)
 
@@ -199,8 +202,8 @@ def _equal(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b  # exactly
+    if isinstance(b, int):  # an expected integer: an equal integer (a float near it is not)
+        return isinstance(a, int) and a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         try:
             return a == b or _close(float(a), float(b))

@@ -94,7 +94,7 @@ def _run_here(spec: SandboxSpec, files: dict[str, str], main: str, stdin: str,
     if not _cleaned:  # a worker replacing a killed one removes what that one left
         _cleaned = True
         remove_orphans()
-    host = Path(tempfile.mkdtemp(prefix=f"{HOST_PREFIX}{os.getpid()}-"))
+    host = Path(tempfile.mkdtemp(prefix=f"{HOST_PREFIX}{os.getpid()}.{_pid_namespace()}-"))
     group, seccomp = None, None
     try:
         code = host / "code"
@@ -184,7 +184,12 @@ def _bwrap_command(spec: SandboxSpec, code: Path, main: str, args: tuple[str, ..
         for parent in reversed(home.parents[:-1]):  # made 0755 and empty: /root stays unseen
             cmd += ["--perms", "0755", "--dir", str(parent)]
         cmd += ["--ro-bind", str(home), str(home)]
-    cmd += ["--proc", "/proc", "--dev", "/dev",
+    # /dev without its pseudo-terminals: bwrap's --dev mounts a devpts instance of its own,
+    # whose ptys count against the host's kernel.pty.max (a program holding 256 descriptors in
+    # each of its processes could take them all); an empty read-only /dev/pts leaves /dev/ptmx
+    # nothing to open (ENOENT), and no program under test needs a terminal
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "0555", "--size", "4096",
+            "--tmpfs", "/dev/pts",
             "--perms", "1777", "--size", str(spec.file_mb << 20), "--tmpfs", "/tmp",
             "--ro-bind", str(code), "/sandbox", "--chdir", "/tmp", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
@@ -288,12 +293,22 @@ def _env(spec: SandboxSpec) -> dict[str, str]:
 
 
 _ORPHAN_AGE_S = 600.0
-"""A dead worker's host directory is removed once it is this old (a run lasts at most
+"""A dead worker's host directory made in another PID namespace (whose pids this one cannot
+see), or named without one, is removed once it is this old (a run lasts at most
 reward.sandbox_program_s)."""
 _cleaned = False
 """Whether this process removed what dead workers left (its first run does)."""
 HOST_PREFIX = "mugrpo-sandbox-"
-"""A run's host directory: ``<tmp>/mugrpo-sandbox-<worker pid>-<random>``."""
+"""A run's host directory: ``<tmp>/mugrpo-sandbox-<worker pid>.<its PID namespace>-<random>``."""
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (its inode): a directory named with it and a dead pid is a
+    dead worker's for certain."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 _POLL_S = 0.1
 """How often the watcher reads the tree's CPU time (a run may overrun sandbox_cpu_s by this
 times its processes)."""
@@ -302,14 +317,17 @@ times its processes)."""
 def remove_orphans() -> list[Path]:
     """What scoring workers killed mid-run left (each worker cleans up after its own runs):
     their host directories (the program and its input) and their control groups, where the
-    worker's pid is no longer alive (and, for a directory, it is over ``_ORPHAN_AGE_S`` old: a
-    temporary directory shared with another PID namespace holds runs whose pids this one cannot
-    see). Returns the directories and groups removed."""
+    worker's pid is no longer alive: at once where the directory names this PID namespace,
+    else once it is over ``_ORPHAN_AGE_S`` old (a temporary directory shared with another PID
+    namespace holds runs whose pids this one cannot see). Returns the directories and groups
+    removed. Called at a worker's first run and when a pool of workers closes (a worker ended by
+    a signal or ``os._exit`` runs no exit handler)."""
     gone = []
+    here = str(_pid_namespace())
     for d in Path(tempfile.gettempdir()).glob(f"{HOST_PREFIX}*"):
-        pid = d.name[len(HOST_PREFIX):].split("-")[0]
+        pid, _, namespace = d.name[len(HOST_PREFIX):].split("-")[0].partition(".")
         try:
-            old = time.time() - d.stat().st_mtime > _ORPHAN_AGE_S
+            old = namespace == here or time.time() - d.stat().st_mtime > _ORPHAN_AGE_S
         except OSError:
             continue
         if old and d.is_dir() and pid.isdigit() and not Path(f"/proc/{pid}").exists():

@@ -213,8 +213,11 @@ class RewardScorer:
             out.errors.append(message)
 
     def close(self) -> None:
+        from mugrpo_megatron.rewards.sandbox import remove_orphans
+
         self._pool.stop()
         self._pool.join()
+        remove_orphans()  # what its workers' exit handlers did not run to remove
 
     def __enter__(self) -> RewardScorer:
         return self

@@ -17,7 +17,17 @@ else is allowed. Denied, each answering EPERM unless said:
 - namespaces and mounts: ``unshare``, ``setns``, ``mount``, ``umount2``, ``pivot_root``, the new
   mount API (``fsopen`` ...), ``clone`` with any namespace flag, and ``clone3`` (ENOSYS: its
   flags sit in memory a filter cannot read; glibc falls back to ``clone``);
-- ``socket`` of family AF_VSOCK (EAFNOSUPPORT): a channel to the host's hypervisor.
+- ``socket`` of family AF_VSOCK (EAFNOSUPPORT): a channel to the host's hypervisor. The
+  family is compared on the 32 bits the kernel reads (an ``int``): libseccomp compares all 64 of
+  the register, and ``socket(0x1_0000_0028)`` made an AF_VSOCK socket past an equality test;
+  every argument compare here is masked to the width the kernel reads;
+- the page cache's state, a channel between runs (one program evicts or loads a file's pages,
+  the next reads which are cached): ``mincore``, ``cachestat``, ``fadvise64``, ``readahead``,
+  and ``preadv2`` / ``pwritev2`` with ``RWF_NOWAIT`` (which fail fast on an uncached page). The
+  timing of an ordinary read still tells a cached page from one on disk: that channel remains,
+  at the resolution of the program's clock and against a host that reads the same files;
+- Linux AIO (``io_setup`` ...): a kernel interface of its own (its rings are kernel memory
+  outside the address-space limit) that no program under test needs.
 
 The scorer's session keyring is replaced for each run as well (``fresh_session_keyring``, in the
 child before bwrap starts): even a call the filter missed finds an empty keyring of its own.
@@ -39,6 +49,8 @@ DENIED = (
     "fanotify_init", "lookup_dcookie", "unshare", "setns", "mount", "umount2", "pivot_root",
     "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
     "swapon", "swapoff", "reboot", "acct", "quotactl",
+    "mincore", "cachestat", "fadvise64", "fadvise64_64", "readahead",
+    "io_setup", "io_submit", "io_getevents", "io_pgetevents", "io_destroy", "io_cancel",
 )
 """System calls every program is refused (EPERM)."""
 CLONE_NAMESPACES = {"CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000,
@@ -47,6 +59,10 @@ CLONE_NAMESPACES = {"CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000,
                     "CLONE_NEWNET": 0x40000000, "CLONE_NEWTIME": 0x00000080}
 """linux/sched.h: ``clone`` with any of these is refused."""
 AF_VSOCK = 40
+INT_BITS = 0xFFFF_FFFF
+"""What the kernel reads of an ``int`` argument (``socket``'s family)."""
+RWF_NOWAIT = 0x0000_0008
+"""linux/fs.h: a ``preadv2``/``pwritev2`` flag (its sixth argument, an ``int``)."""
 KEYCTL_JOIN_SESSION_KEYRING = 1
 
 _cache: bytes | None = None
@@ -84,7 +100,9 @@ def filter_program() -> bytes:
     for flag in CLONE_NAMESPACES.values():
         f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
-    f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, AF_VSOCK))
+    f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.MASKED_EQ, INT_BITS, AF_VSOCK))
+    for name in ("preadv2", "pwritev2"):
+        f.add_rule(sc.ERRNO(errno.EPERM), name, sc.Arg(5, sc.MASKED_EQ, RWF_NOWAIT, RWF_NOWAIT))
     with tempfile.TemporaryFile() as out:
         f.export_bpf(out)
         out.seek(0)

@@ -295,5 +295,8 @@ class ToolPool:
         return ToolResult(call.name or "error", truncate(text, self.output_chars), not ok)
 
     def close(self) -> None:
+        from mugrpo_megatron.rewards.sandbox import remove_orphans
+
         self._pool.stop()
         self._pool.join()
+        remove_orphans()  # what its workers' exit handlers did not run to remove
