@@ -7,7 +7,9 @@ send or read that upstream renamed fails here. It runs the request as SandboxFus
 ``run_python`` does (commit 469de08, ``sandbox/runners/major.py``): the decoded ``files`` beside
 the code's own ``.py`` file, ``python`` that file with ``stdin``, ``run_timeout`` its wall clock
 (``TimeLimitExceeded`` past it) and ``memory_limit_MB`` its address space; it executes them for
-real, in our OS sandbox. ``fail_next`` makes the next requests fail as a busy service does
+real, in our OS sandbox, and reports the run's own time as ``execution_time``. Runs take turns
+(one at a time a process, ``sandbox._one_run``), so concurrent requests queue as on a busy
+service; ``queue_s`` adds a wait to each. ``fail_next`` makes the next requests fail as a busy service does
 (``SandboxError``, or HTTP 500), for the client's retries.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -31,6 +34,9 @@ class SandboxFusionService:
         self.spec = spec or SandboxSpec()
         self.requests: list[dict] = []
         self.fail_next: list[str] = []  # 'sandbox_error' or 'http_500', one a request
+        self.queue_s = 0.0
+        """Seconds each request waits before it runs, as in a busy service's queue (its
+        execution_time does not count them, as SandboxFusion's does not)."""
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
 
     def __enter__(self) -> str:
@@ -48,6 +54,7 @@ class SandboxFusionService:
             if failure == "http_500":
                 return 500, "Internal Server Error"
             return 200, RunCodeResponse(status="SandboxError", message="busy").json()
+        time.sleep(self.queue_s)  # waiting behind other users' programs
         request = RunCodeRequest(**body)
         assert request.language == "python"
         files = {name: base64.b64decode(text).decode() for name, text in request.files.items()}
@@ -57,7 +64,7 @@ class SandboxFusionService:
         got = run_python(spec, files, "tmp_main.py", stdin=request.stdin or "")
         status = {"timeout": "TimeLimitExceeded", "sandbox": "Error"}.get(got.status, "Finished")
         result = CommandRunResult(status=status, return_code=got.returncode, stdout=got.stdout,
-                                  stderr="", execution_time=0.0)
+                                  stderr="", execution_time=got.seconds)
         ok = status == "Finished" and got.returncode == 0
         return 200, RunCodeResponse(status="Success" if ok else "Failed", message="",
                                     run_result=result).json()

@@ -77,6 +77,25 @@ def test_code_rewards_through_the_service_equal_the_os_sandboxs():
     assert {r["memory_limit_MB"] for r in service.requests} == {1024}
 
 
+def test_a_busy_services_queue_is_not_the_programs_time():
+    """A correct program's three cases, each waiting 4 s in the service's queue: by the wall
+    clock they did not fit sandbox_program_s = 9 s and the row was cut short (scored 0; the
+    suite's flake on a loaded machine); by the service's execution_time every case runs. An
+    endless loop's cases still use the budget up, and the reason says the queue's wait."""
+    service = SandboxFusionService()
+    with service as url:
+        service.queue_s = 4.0
+        cfg = code_config(sandbox=url)
+        assert cfg.scoring_timeout_s == 9.0 + 10 + 60
+        with RewardScorer(cfg) as scorer:
+            out = scorer.score([fenced(ADD), fenced("while True:\n    pass")],
+                               [CASES_STDIN] * 2, [RowInfo("apps", row=i) for i in range(2)])
+    assert out.rewards == [1.0, 0.0] and out.failed == [1], out
+    assert "2 of 3 standard-input cases ran within reward.sandbox_program_s = 9 s of their own " \
+           "run time" in out.errors[0] and "waiting in the service's queue not counted" \
+           in out.errors[0], out.errors
+
+
 def test_a_busy_service_is_tried_again_and_an_absent_one_named():
     """SandboxError and HTTP 500 are tried again (the program then runs once); a service that
     keeps failing fails the run as 'sandbox' with its message; probe names an unreachable

@@ -200,7 +200,9 @@ class RewardConfig(Section):
     sandbox_wall_s: float = 10.0
     """Wall-clock seconds of one test case, sleeps included; past it the run is ended."""
     sandbox_program_s: float = 30.0
-    """Wall-clock seconds of all of a program's test cases: cases not run by then fail.
+    """Seconds of all of a program's test cases, each case by its own run time (a SandboxFusion
+    service's execution_time: the time a case waits in its queue is not counted): a row whose
+    cases do not fit is counted as cut short (scored 0 with the timeouts, its reason said).
     reward.timeout_s must be above it."""
     sandbox_memory_mb: int = 1024
     """Address space of each of a program's processes (RLIMIT_AS)."""
@@ -244,9 +246,12 @@ class RewardConfig(Section):
     @property
     def scoring_timeout_s(self) -> float:
         """The limit on scoring one response: ``timeout_s``, raised to sandbox_program_s + 10
-        where the code reward runs (a program's slow cases fail; they are no reward failure)."""
-        return max(self.timeout_s, self.sandbox_program_s + 10) if self.uses_code \
-            else self.timeout_s
+        where the code reward runs (a program's slow cases fail; they are no reward failure),
+        and by a minute more where a SandboxFusion service runs them (its queue's waits)."""
+        if not self.uses_code:
+            return self.timeout_s
+        queue = 60.0 if self.sandbox.startswith(("http://", "https://")) else 0.0
+        return max(self.timeout_s, self.sandbox_program_s + 10 + queue)
 
 
 @dataclass(frozen=True)

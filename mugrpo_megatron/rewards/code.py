@@ -38,7 +38,9 @@ comes back from the program (any line, nesting or number size) is data: what can
 fails that case, never the reward.
 
 Each standard-input case runs in a fresh sandbox under ``reward.sandbox_*``'s limits with only
-its input inside, while the program's cases fit in ``sandbox_program_s`` of wall clock. **A case
+its input inside, while the program's cases fit in ``sandbox_program_s`` of their own run time
+(each run's wall clock; a SandboxFusion service's ``execution_time``, so the time a case waits in
+a busy service's queue is not the program's). **A case
 not run is no failed case**: a row whose cases the budget cut short (a slow machine, a row of
 1500 cases) raises ``CasesNotRun``, which the scorer counts with the timeouts and names by row
 (scoring 0, as a timeout does, never stopping the run) instead of scoring the share of a prefix;
@@ -63,6 +65,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mugrpo_megatron.rewards.sandbox import SandboxSpec, run_python
+from mugrpo_megatron.rewards.sandbox_fusion import is_url
 
 _INTEGER = re.compile(r"[+-]?\d+")
 _DIGITS = 4300  # Python's int <-> str limit: a longer integer token is compared as text
@@ -223,9 +226,17 @@ def _call_args(value: Any) -> list:
 def run_case(spec: SandboxSpec, program: str, cases: Cases, i: int) -> bool:
     """Whether ``program`` passes standard-input case ``i`` of ``cases`` in the sandbox (a
     fresh run of its own)."""
+    return _case(spec, program, cases, i)[0]
+
+
+def _case(spec: SandboxSpec, program: str, cases: Cases, i: int) -> tuple[bool, float]:
+    """``run_case``, and the seconds the run took by its own clock (the service's
+    ``execution_time`` for SandboxFusion; measured around the call where a run reports none)."""
+    start = time.monotonic()
     got = run_python(spec, {"solution.py": program}, "solution.py",
                      stdin=_lines(cases.inputs[i]))
-    return got.status == "ok" and stdout_matches(got.stdout, _lines(cases.outputs[i]))
+    took = got.seconds if got.seconds is not None else time.monotonic() - start
+    return got.status == "ok" and stdout_matches(got.stdout, _lines(cases.outputs[i])), took
 
 
 def run_calls(spec: SandboxSpec, program: str, cases: Cases, seconds: float) -> list[bool]:
@@ -298,13 +309,19 @@ def code_reward(completion: str, answer: str, *, sandbox: SandboxSpec,
         if code_score == "all":
             return float(all(passed))
         return sum(passed) / len(passed)
-    passed, deadline, n = 0, time.monotonic() + sandbox.program_s, len(cases.inputs)
+    passed, spent, n = 0, 0.0, len(cases.inputs)
+    start = time.monotonic()
     for i in range(n):
-        if time.monotonic() + sandbox.wall_s > deadline:  # the program's time is up
-            raise CasesNotRun(f"{i} of {n} standard-input cases ran within "
-                              f"reward.sandbox_program_s = {sandbox.program_s:g} s "
-                              f"({passed} passed); raise it for rows this long")
-        if run_case(sandbox, program, cases, i):
+        if spent + sandbox.wall_s > sandbox.program_s:  # the program's own time is up
+            waited = time.monotonic() - start - spent
+            raise CasesNotRun(
+                f"{i} of {n} standard-input cases ran within reward.sandbox_program_s = "
+                f"{sandbox.program_s:g} s of their own run time ({passed} passed; "
+                + (f"{waited:.1f} s waiting in the service's queue not counted"
+                   if is_url(sandbox.mode) else "timed here") + "); raise it for rows this long")
+        ok, took = _case(sandbox, program, cases, i)
+        spent += took
+        if ok:
             passed += 1
         elif code_score == "all":
             return 0.0

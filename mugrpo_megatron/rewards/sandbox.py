@@ -229,7 +229,8 @@ def _watch(spec: SandboxSpec, cmd: list[str], stdin, nproc: int, cwd: Path | Non
     """Run ``cmd`` under the limits; read its stdout until it ends or passes the wall clock, the
     output limit or (with a group) the CPU time of its whole tree; end its whole tree either
     way. ``keep``: descriptors the child inherits (bwrap's filter)."""
-    deadline = time.monotonic() + spec.wall_s
+    start = time.monotonic()
+    deadline = start + spec.wall_s
     cap = spec.output_kb << 10
     try:
         proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE,
@@ -271,7 +272,8 @@ def _watch(spec: SandboxSpec, cmd: list[str], stdin, nproc: int, cwd: Path | Non
     if status == "error" and spec.mode == OS_SANDBOX and code in (1, 126, 127) and not out:
         detail = f"exit {code} with no output (a program that fails, or the sandbox itself)"
     return RunResult(status, out[:cap].decode("utf-8", "replace"), code, detail,
-                     cpu_s=group.cpu_seconds() if group is not None else None)
+                     cpu_s=group.cpu_seconds() if group is not None else None,
+                     seconds=time.monotonic() - start)
 
 
 def _end(proc: subprocess.Popen) -> None:

@@ -20,6 +20,11 @@ and the address space (``memory_limit_MB`` = ``reward.sandbox_memory_mb``); its 
 here to what comes back. A program's arguments have no field either: they are set in
 ``sys.argv`` by a first line of the code.
 
+A program's cases count the service's own ``execution_time`` against ``sandbox_program_s``,
+not the time a request waited in its queue: a busy service does not cut a correct program's
+cases short (``rewards.code``). A request may wait ``QUEUE_S`` for the service beyond its
+``run_timeout``.
+
 Failures of the service itself (no connection, an HTTP error, ``SandboxError``) are tried again
 ``RETRIES`` times with a doubling pause while the program's time (``sandbox_program_s``) lasts,
 then the run counts as ``'sandbox'`` (the case fails); the scorer's ``reward.timeout_s`` stays
@@ -41,9 +46,11 @@ from mugrpo_megatron.rewards.sandbox_spec import RunResult
 RETRIES = 3
 """Further tries of a request the service failed (not of a program that failed)."""
 HTTP_SLACK_S = 5.0
-"""Seconds a request may take beyond the program's run_timeout (the service's queue, the start
-of its interpreter): a function-call run (run_timeout = sandbox_program_s) then still ends
-within the scorer's sandbox_program_s + 10."""
+"""Seconds a request may take beyond the program's run_timeout (the start of its interpreter)
+on a service with nothing queued."""
+QUEUE_S = 60.0
+"""Seconds more a request may wait in the service's queue before it counts as the service's
+failure (and is tried again): the scorer's reward.timeout_s stays the bound over a response."""
 
 
 def is_url(mode: str) -> bool:
@@ -82,7 +89,7 @@ def run(spec, files: dict[str, str], main: str, stdin: str, args: tuple[str, ...
     error, pause = "", 1.0
     for attempt in range(1 + RETRIES):
         try:
-            reply = _post(endpoint(spec.mode), body, spec.wall_s + HTTP_SLACK_S)
+            reply = _post(endpoint(spec.mode), body, spec.wall_s + HTTP_SLACK_S + QUEUE_S)
         except _ServiceError as e:
             error = str(e)
         else:
@@ -101,15 +108,17 @@ def result_of(spec, reply: dict):
     status = run_result.get("status")
     out = run_result.get("stdout") or ""
     code = run_result.get("return_code")
+    took = run_result.get("execution_time")
+    took = float(took) if isinstance(took, (int, float)) else None
     cap = spec.output_kb << 10
     if len(out.encode()) > cap:
         return RunResult("output", out.encode()[:cap].decode("utf-8", "replace"), code,
-                         f"more than {spec.output_kb} KB of output")
+                         f"more than {spec.output_kb} KB of output", seconds=took)
     if status == "TimeLimitExceeded":
-        return RunResult("timeout", out, code, "TimeLimitExceeded")
+        return RunResult("timeout", out, code, "TimeLimitExceeded", seconds=took)
     if status == "Finished" and code == 0:
-        return RunResult("ok", out, code)
-    return RunResult("error", out, code, f"{status} exit {code}")
+        return RunResult("ok", out, code, seconds=took)
+    return RunResult("error", out, code, f"{status} exit {code}", seconds=took)
 
 
 class _ServiceError(Exception):

@@ -62,3 +62,7 @@ class RunResult:
     detail: str = ""
     cpu_s: float | None = None
     """CPU seconds of the run's whole tree (its control group's); None without one."""
+    seconds: float | None = None
+    """The run's own wall-clock time: measured here from its start to its end, or as a
+    SandboxFusion service reports it (``execution_time``: its queue not counted); None where
+    unknown. What a program's cases count against ``sandbox_program_s``."""
