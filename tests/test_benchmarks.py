@@ -240,3 +240,4 @@ def test_fp8_weight_gap_quick(tmp_path):
     log-probs more than bf16's, and neither moves them by nothing."""
     (row,) = quick_results("fp8_weight_gap.py", tmp_path, timeout=600)
     assert row["tokens"] == 64 and 0 < row["bf16"]["mean"] < row["fp8"]["mean"] < 1
+    assert 0 < row["bf16"]["mean"] < row["fp8_ue8m0"]["mean"] < 1 and row["fp8_requant"]["mean"] > 0

@@ -270,3 +270,34 @@ def test_dry_run_counts_fp8_weights_and_kv_cache():
                                    "parallel.tensor=4", "parallel.expert=8",
                                    "parallel.sequence_parallel=true"]), 128,
                 MODELS / "qwen3-235b-a22b.json", gpus_per_node=8)
+
+
+def test_ue8m0_scales_are_the_ones_the_engine_keeps():
+    """vLLM on H100/B200 (DeepGEMM, VLLM_USE_DEEP_GEMM_E8M0 on) re-quantizes every block to a
+    power-of-two scale after each load (``requant_weight_ue8m0_inplace``): weights quantized
+    with float32 scales are rounded a second time there (most values move, the error about
+    doubles). Quantized with the scales vLLM's rule chooses, its re-quantization changes no
+    weight's value, zero and tiny blocks (its 1e-4 floor) and edge blocks included (a block
+    whose largest value rounded down to 224 may be written again at half the scale, twice the
+    values: the same weights)."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+        requant_weight_ue8m0_inplace,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 700, generator=g) * torch.logspace(-7, 0, 700)).to(torch.bfloat16)
+    w[:128, :128] = 0
+    for ue8m0 in (False, True):
+        q, scale = quantize_blocks(w, ue8m0=ue8m0)
+        q2, scale2 = q.clone(), scale.clone()
+        requant_weight_ue8m0_inplace(q2, scale2, BLOCK)
+        moved = dequantize_blocks(q2, scale2) != dequantize_blocks(q, scale)
+        if ue8m0:
+            assert not moved.any()
+            assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))  # powers of two
+        else:
+            assert moved.float().mean() > 0.5
+    from mugrpo_megatron.engines.compat_vllm import engine_scales_ue8m0
+
+    assert engine_scales_ue8m0() is False  # vLLM's own answer on a CPU: no DeepGEMM here

@@ -23,6 +23,9 @@ read; ``tests/test_compat.py`` fails, naming the symbol, when a release moves or
 - ``max_running_sequences``: the scheduler's ``max_num_seqs`` as the engine resolved it (its
   default depends on the device), read from ``LLM.llm_engine.vllm_config``.
 - ``expert_parallel``: ``ParallelConfig.enable_expert_parallel`` as the engine resolved it.
+- ``engine_scales_ue8m0``: ``vllm.utils.deep_gemm.is_deep_gemm_e8m0_used()`` (0.32/0.33): whether
+  the engine re-quantizes block-FP8 weights to power-of-two scales after each load, so that the
+  sync quantizes with such scales itself (``engines.fp8_weights``).
 - ``group_timeout_kwargs``: the engine arguments that set the timeout of vLLM's own process
   groups (``distributed_timeout_seconds``, ``cpu_distributed_timeout_seconds``: in 0.32 and 0.33;
   an engine of a release without them keeps torch's defaults, 10 minutes for NCCL).
@@ -64,6 +67,8 @@ UPSTREAM_SYMBOLS: tuple[str, ...] = (
     "vllm.distributed.parallel_state:GroupCoordinator",
     "vllm.distributed.parallel_state:GroupCoordinator.device_group",
     "vllm.distributed.parallel_state:GroupCoordinator.cpu_group",
+    "vllm.utils.deep_gemm:is_deep_gemm_e8m0_used",
+    "vllm.model_executor.layers.quantization.utils.fp8_utils:requant_weight_ue8m0_inplace",
 )
 """``module:attribute`` of every upstream name a part below patches or reads."""
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -225,6 +230,18 @@ def expert_parallel(llm) -> bool:
     enable_expert_parallel``: experts placed whole by EP rank instead of every TP rank's slice
     of every expert)."""
     return bool(llm.llm_engine.vllm_config.parallel_config.enable_expert_parallel)
+
+
+def engine_scales_ue8m0() -> bool:
+    """Whether this process's engine keeps block-FP8 scales as powers of two (DeepGEMM's E8M0
+    path, Hopper and Blackwell, ``VLLM_USE_DEEP_GEMM_E8M0``): vLLM's own answer, which its
+    block-FP8 linear and MoE layers ask after every load (``fp8_utils.
+    deepgemm_post_process_fp8_weight_block``). False on a release without it."""
+    try:
+        from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+    except ImportError:
+        return False
+    return bool(is_deep_gemm_e8m0_used())
 
 
 def group_timeout_kwargs(timeout_minutes: float | None) -> dict[str, int]:

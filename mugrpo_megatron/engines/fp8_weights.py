@@ -9,7 +9,18 @@ and the embeddings without a quantization method, the FP8 checkpoints keep them 
 
 The scale of a block is its largest magnitude over e4m3's largest finite value (448), so the
 block's largest element maps to +-448 and the rest round to the nearest e4m3 value; an all-zero
-block (a rank's zeros outside its shard, in a sharded stream) gets the scale 1 and stays zero. A
+block (a rank's zeros outside its shard, in a sharded stream) gets the scale 1 and stays zero.
+
+**UE8M0 scales** (``ue8m0``): vLLM 0.32/0.33 on Hopper and Blackwell runs block FP8 through
+DeepGEMM and, where ``vllm.utils.deep_gemm.is_deep_gemm_e8m0_used()`` (``VLLM_USE_DEEP_GEMM_E8M0``
+at its default, on), re-quantizes every block after each load to a power-of-two scale
+(``quantization/utils/fp8_utils.py`` ``requant_weight_ue8m0_inplace`` ->
+``utils/deep_gemm.py`` ``per_block_cast_to_fp8(use_ue8m0=True)``: the block's largest magnitude,
+at least 1e-4, over 448, rounded up to a power of two). Weights quantized with our float32
+scales would be rounded a second time there. With ``ue8m0`` the scales are chosen by that same
+rule, so vLLM's requantization finds each block already as it would make it and changes no
+value (``engines.compat_vllm.engine_scales_ue8m0`` asks vLLM's own function, in the engine's
+process). A
 block that straddles two TP shards would mix them, so the engine's shard sizes must be multiples
 of the block (vLLM refuses them otherwise: ``layout.shapes.engine_fp8_problem``).
 
@@ -30,6 +41,9 @@ from mugrpo_megatron.layout.shapes import ENGINE_FP8_BLOCK
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 """448: the largest finite e4m3 value; a block's largest magnitude maps to it."""
+UE8M0_MIN_AMAX = 1e-4
+"""vLLM's floor on a block's largest magnitude before its power-of-two scale is taken
+(``per_block_cast_to_fp8``'s ``clamp(1e-4)``)."""
 BLOCK = ENGINE_FP8_BLOCK
 SCALE_SUFFIX = "weight_scale_inv"
 """The scale's name beside ``<module>.weight``, as the FP8 checkpoints and vLLM name it."""
@@ -53,9 +67,12 @@ def is_quantized(name: str, tensor: torch.Tensor) -> bool:
 
 
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
-                    rows_at_once: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                    rows_at_once: int = 1024, ue8m0: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [m, n] as (e4m3 [m, n], float32 scales [ceil(m / bm), ceil(n / bn)]), each
-    block scaled by its largest magnitude / 448 (edge blocks: what of them there is). Worked
+    block scaled by its largest magnitude / 448 (edge blocks: what of them there is), or with
+    ``ue8m0`` by that rounded up to a power of two, as vLLM's DeepGEMM path makes them (the
+    module docstring). Worked
     on ``rows_at_once`` rows at a time (rounded to whole blocks), so that what it holds beyond
     its output is a few float32 copies of those rows, not of the weight (70B's down projection
     is 0.94 GB in float32)."""
@@ -73,7 +90,10 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
         padded = torch.nn.functional.pad(part, (0, cols * bn - n, 0, rows * bm - part.shape[0]))
         blocks = padded.view(rows, bm, cols, bn)
         amax = blocks.abs().amax(dim=(1, 3))
-        scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        if ue8m0:
+            scale_inv = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=UE8M0_MIN_AMAX) / FP8_MAX)))
+        else:
+            scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         blocks = (blocks / scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
         q[start:start + step] = blocks.view(rows * bm, cols * bn)[:part.shape[0], :n].to(FP8_DTYPE)
         scales.append(scale_inv)
@@ -89,7 +109,8 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
 
 
 def quantize_stream(weights: Iterable[tuple[str, torch.Tensor]],
-                    block: tuple[int, int] = BLOCK) -> Iterator[tuple[str, torch.Tensor]]:
+                    block: tuple[int, int] = BLOCK, ue8m0: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """The export stream as the engine's FP8 checkpoint holds it: each linear weight of the
     layers (``is_quantized``) as its e4m3 tensor followed by ``<module>.weight_scale_inv``, the
     rest as it came. One tensor at a time: what it holds beyond the stream is ``rows_at_once``
@@ -99,7 +120,7 @@ def quantize_stream(weights: Iterable[tuple[str, torch.Tensor]],
     a rank a sync, a few seconds of elementwise GPU work once a phase."""
     for name, tensor in weights:
         if is_quantized(name, tensor):
-            q, scale_inv = quantize_blocks(tensor, block)
+            q, scale_inv = quantize_blocks(tensor, block, ue8m0=ue8m0)
             yield name, q
             yield name.removesuffix("weight") + SCALE_SUFFIX, scale_inv
         else:

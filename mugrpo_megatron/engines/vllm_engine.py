@@ -59,6 +59,7 @@ from mugrpo_megatron.engines.compat_torch import torch_state_kept
 from mugrpo_megatron.engines.compat_vllm import (
     abort_requests,
     cpu_attention_kwargs,
+    engine_scales_ue8m0,
     expert_parallel,
     external_request_id,
     finished_requests,
@@ -153,6 +154,8 @@ class VLLMEngine(RolloutEngine):
                 "by EP rank); the sync streams a spmd engine every TP rank's slice of every "
                 "expert (FusedMoE without it), so it would load the wrong slices. Not supported "
                 "yet: run the engine without it")
+        # the scales the engine will keep: quantized so, its re-quantization changes nothing
+        self._ue8m0 = self._fp8 and engine_scales_ue8m0()
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self.sleep_discards_weights = self.supports_sleep  # level 2
         self._broken = ""
@@ -271,7 +274,7 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"the engine's weights are undefined since an update failed "
                                f"({self._broken}); restart the engine")
         t0 = time.perf_counter()
-        sent = quantize_stream(stream()) if self._fp8 else stream()
+        sent = quantize_stream(stream(), ue8m0=self._ue8m0) if self._fp8 else stream()
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": sent})
         except Exception as e:
