@@ -38,7 +38,9 @@ from mugrpo_megatron.engines.fp8_weights import (  # noqa: E402
     dequantize_blocks,
     is_quantized,
     quantize_blocks,
+    routers,
 )
+from mugrpo_megatron.models.hf_config import read_model_spec  # noqa: E402
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint  # noqa: E402
 
 PATHS = ("bf16", "fp8", "fp8_requant", "fp8_ue8m0")
@@ -59,13 +61,14 @@ def engine_weight(bf16: torch.Tensor, how: str) -> torch.Tensor:
     return dequantize_blocks(q, scale)
 
 
-def rounded(model, how: str):
+def rounded(model, how: str, kept: tuple[str, ...]):
     """``model`` with every weight as the engine would hold it: the linear weights of the layers
-    along path ``how`` (``PATHS``), the rest bf16 (as the FP8 checkpoints keep them)."""
+    along path ``how`` (``PATHS``), the rest bf16 (as the FP8 checkpoints keep them, the
+    routers ``kept`` too)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             bf16 = p.to(torch.bfloat16)
-            p.copy_(engine_weight(bf16, how) if is_quantized(name, p) else bf16.float())
+            p.copy_(engine_weight(bf16, how) if is_quantized(name, p, kept) else bf16.float())
     return model
 
 
@@ -75,6 +78,7 @@ def gap(family: str, rows: int, new_tokens: int, root: Path) -> dict:
     torch.manual_seed(0)
     hf = make_tiny_checkpoint(root / family, family, seed=3, hidden_size=256, num_heads=4,
                               num_kv_heads=2, ffn_hidden_size=512)
+    kept = routers(read_model_spec(hf))
     load = lambda: AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()  # noqa: E731
     ref = load()
     with torch.no_grad():
@@ -89,7 +93,7 @@ def gap(family: str, rows: int, new_tokens: int, root: Path) -> dict:
         base = logp(ref)
         out = {"family": family, "tokens": base.numel()}
         for how in PATHS:
-            d = (logp(rounded(load(), how)) - base).abs()
+            d = (logp(rounded(load(), how, kept)) - base).abs()
             out[how] = {"mean": d.mean().item(), "max": d.max().item()}
     for how in PATHS[1:]:
         out[f"{how}_over_bf16_mean"] = out[how]["mean"] / out["bf16"]["mean"]

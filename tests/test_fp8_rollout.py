@@ -77,11 +77,15 @@ def test_stream_quantizes_the_linear_weights_of_the_layers_only(tmp_path):
     """Every 2-D weight of the decoder layers except norms and the router goes out as e4m3 and
     its ``weight_scale_inv`` right after; the embedding, output layer, norms, router and its
     correction bias go out as they came (DeepSeek-V3's MLA and shared experts included)."""
+    from mugrpo_megatron.engines.fp8_weights import routers
+    from mugrpo_megatron.models.hf_config import read_model_spec
+
     hf = make_tiny_checkpoint(tmp_path / "dsv3", "deepseek_v3", seed=1)
+    kept = routers(read_model_spec(hf))  # as the engine gives them
     tensors = dict(checkpoint_tensors(hf))
-    sent = list(quantize_stream(tensors.items()))
+    sent = list(quantize_stream(tensors.items(), kept=kept))
     names = [n for n, _ in sent]
-    quantized = {n for n, t in tensors.items() if is_quantized(n, t)}
+    quantized = {n for n, t in tensors.items() if is_quantized(n, t, kept)}
     assert quantized and len(sent) == len(tensors) + len(quantized)
     for name in tensors:
         assert name in names
@@ -301,3 +305,48 @@ def test_ue8m0_scales_are_the_ones_the_engine_keeps():
     from mugrpo_megatron.engines.compat_vllm import engine_scales_ue8m0
 
     assert engine_scales_ue8m0() is False  # vLLM's own answer on a CPU: no DeepGEMM here
+
+
+MOE_FAMILIES = {"qwen3_moe": "qwen3_moe:Qwen3MoeForCausalLM",
+                "mixtral": "mixtral:MixtralForCausalLM",
+                "glm4_moe": "glm4_moe:Glm4MoeForCausalLM",
+                "deepseek_v3": "deepseek_v2:DeepseekV3ForCausalLM"}
+"""Each MoE family of ours, and vLLM's model class for it."""
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_the_router_stays_in_the_models_dtype_for_every_family(tmp_path, family):
+    """Mixtral's router (block_sparse_moe.gate) went out in FP8 while vLLM builds it unquantized;
+    vLLM builds Qwen3-MoE's with the model's quantization config (FP8 unless listed). One rule:
+    each family's routers are sent as they are and named to vLLM as ignored_layers, which its
+    own Fp8Config, after the model class's name mapping, skips; every expert is quantized."""
+    pytest.importorskip("vllm")
+    import importlib
+
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+    from mugrpo_megatron.engines.fp8_weights import routers
+    from mugrpo_megatron.models.hf_config import read_model_spec
+
+    hf = make_tiny_checkpoint(tmp_path / family, family, seed=1)
+    kept = routers(read_model_spec(hf))
+    assert kept and all(k.endswith(".gate") for k in kept)
+    tensors = dict(checkpoint_tensors(hf))
+    sent = dict(quantize_stream(tensors.items(), kept=kept))
+    for module in kept:
+        assert sent[module + ".weight"].dtype == tensors[module + ".weight"].dtype
+        assert module + "." + SCALE_SUFFIX not in sent
+    experts = [n for n in tensors if ".experts." in n and n.endswith(".weight")]
+    assert experts and all(sent[n].dtype == FP8_DTYPE for n in experts)
+    module, cls = MOE_FAMILIES[family].split(":")
+    model = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls)
+    cfg = Fp8Config.from_config(quantization_config(kept=kept))
+    mapper = getattr(model, "hf_to_vllm_mapper", None)  # as model_loader/utils.py applies it
+    if mapper is not None:
+        cfg.apply_vllm_mapper(mapper.get_rename_mapper())
+    skipped = lambda prefix: is_layer_skipped(  # noqa: E731
+        prefix, cfg.ignored_layers, getattr(model, "packed_modules_mapping", {}),
+        match_mode=cfg.ignored_layers_match_mode)
+    assert all(skipped(k) for k in kept)
+    assert not any(skipped(n.removesuffix(".weight")) for n in experts[:4])

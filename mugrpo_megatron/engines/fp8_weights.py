@@ -31,7 +31,7 @@ written element by element.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -47,23 +47,38 @@ UE8M0_MIN_AMAX = 1e-4
 BLOCK = ENGINE_FP8_BLOCK
 SCALE_SUFFIX = "weight_scale_inv"
 """The scale's name beside ``<module>.weight``, as the FP8 checkpoints and vLLM name it."""
-_KEPT = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "e_score_correction_bias")
-"""Name parts of tensors that stay in the model's dtype (the router is ``mlp.gate``; its
-correction bias, norms, embeddings and the output layer)."""
+_KEPT = ("embed_tokens", "lm_head", "norm", "e_score_correction_bias")
+"""Name parts of tensors that stay in the model's dtype (norms, embeddings, the output layer,
+the router's correction bias); the routers themselves are ``routers``'."""
 
 
-def quantization_config(block: tuple[int, int] = BLOCK) -> dict:
+def routers(spec) -> tuple[str, ...]:
+    """The MoE routers of ``spec`` (a ``models.hf_config.ModelSpec``) as HF modules, one a layer
+    with experts (Mixtral's ``block_sparse_moe.gate``, the others' ``mlp.gate``): kept in the
+    model's dtype, and named to vLLM as ``ignored_layers`` (``quantization_config``). vLLM 0.32
+    and 0.33 build Mixtral's, DeepSeek-V3's and GLM-4.5's ``GateLinear`` without a quantization
+    config but hand Qwen3-MoE's the model's (``models/qwen3_moe.py``), which would make it FP8
+    unless it is listed: one rule, the router in bf16, for every family."""
+    if not spec.is_moe:
+        return ()
+    return tuple(f"model.layers.{i}.{spec.family.moe.module}.gate"
+                 for i in range(spec.num_layers) if spec.is_moe_layer(i))
+
+
+def quantization_config(block: tuple[int, int] = BLOCK, kept: tuple[str, ...] = ()) -> dict:
     """The ``quantization_config`` of an FP8 checkpoint's config.json (DeepSeek-V3's and
-    Qwen3-*-FP8's keys), which makes vLLM build block-FP8 linear layers."""
+    Qwen3-*-FP8's keys), which makes vLLM build block-FP8 linear layers, but for the modules
+    ``kept`` (``routers``; vLLM's ``Fp8Config`` reads ``ignored_layers``, exact names)."""
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-            "weight_block_size": list(block)}
+            "weight_block_size": list(block), **({"ignored_layers": list(kept)} if kept else {})}
 
 
-def is_quantized(name: str, tensor: torch.Tensor) -> bool:
+def is_quantized(name: str, tensor: torch.Tensor, kept: Collection[str] = ()) -> bool:
     """Whether the HF tensor ``name`` is one of the engine's FP8 linear weights: a 2-D
-    ``.weight`` inside the decoder layers that is not a norm, the router or its bias."""
+    ``.weight`` inside the decoder layers that is not a norm, nor of a module ``kept``."""
     return (tensor.dim() == 2 and name.endswith(".weight") and ".layers." in name
-            and not any(part in name for part in _KEPT))
+            and not any(part in name for part in _KEPT)
+            and name.removesuffix(".weight") not in kept)
 
 
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
@@ -109,17 +124,19 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
 
 
 def quantize_stream(weights: Iterable[tuple[str, torch.Tensor]],
-                    block: tuple[int, int] = BLOCK, ue8m0: bool = False
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+                    block: tuple[int, int] = BLOCK, ue8m0: bool = False,
+                    kept: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """The export stream as the engine's FP8 checkpoint holds it: each linear weight of the
     layers (``is_quantized``) as its e4m3 tensor followed by ``<module>.weight_scale_inv``, the
     rest as it came. One tensor at a time: what it holds beyond the stream is ``rows_at_once``
     rows of one weight in float32 while it is quantized. Each engine rank quantizes the whole
     tensors it is handed, not only the slice it keeps (the stream is full-shape, zeros outside
     the slice where the sync sends each rank its slices): at DeepSeek-V3 that is 671B elements
-    a rank a sync, a few seconds of elementwise GPU work once a phase."""
+    a rank a sync, a few seconds of elementwise GPU work once a phase. ``kept``: modules sent
+    as they are (``routers``)."""
+    kept_set = frozenset(kept)
     for name, tensor in weights:
-        if is_quantized(name, tensor):
+        if is_quantized(name, tensor, kept_set):
             q, scale_inv = quantize_blocks(tensor, block, ue8m0=ue8m0)
             yield name, q
             yield name.removesuffix("weight") + SCALE_SUFFIX, scale_inv

@@ -77,7 +77,9 @@ from mugrpo_megatron.engines.fp8_weights import (
     checkpoint_tensors,
     quantization_config,
     quantize_stream,
+    routers,
 )
+from mugrpo_megatron.models.hf_config import model_spec_from_dict
 
 SLEEP_LEVEL = 2
 """vLLM's sleep level between phases (see the module docstring)."""
@@ -104,9 +106,11 @@ class VLLMEngine(RolloutEngine):
                       kv_cache_dtype=cfg.kv_cache_dtype)
         self._fp8 = cfg.quantization == "fp8"
         config = json.loads((Path(model_dir) / "config.json").read_text())
+        # the modules an FP8 engine keeps in the model's dtype (the MoE routers), so told
+        self._kept = routers(model_spec_from_dict(config, str(model_dir))) if self._fp8 else ()
         if self._fp8:  # a block-FP8 checkpoint to vLLM; its weights come quantized by a sync
-            kwargs.update(quantization="fp8",
-                          hf_overrides={"quantization_config": quantization_config()})
+            kwargs.update(quantization="fp8", hf_overrides={
+                "quantization_config": quantization_config(kept=self._kept)})
         # a release stored quantized (block FP8, MXFP4) is served as rollout.quantization says,
         # like any other: the learner holds it dequantized and every sync sends those weights
         released = bool(config.get("quantization_config"))
@@ -274,7 +278,8 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"the engine's weights are undefined since an update failed "
                                f"({self._broken}); restart the engine")
         t0 = time.perf_counter()
-        sent = quantize_stream(stream(), ue8m0=self._ue8m0) if self._fp8 else stream()
+        sent = quantize_stream(stream(), ue8m0=self._ue8m0, kept=self._kept) if self._fp8 \
+            else stream()
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": sent})
         except Exception as e:
