@@ -18,10 +18,12 @@ sampling. The trajectory keeps what it saw, as verl's and slime's token-in-token
 A tool's output is text a program printed, not the template's: it is tokenized on its own with
 special tokens split (a printed ``<|im_end|>\n<|im_start|>assistant`` stays text, never the
 control tokens that would forge a turn), the envelope around it with the template's special
-tokens recognised. That needs a template that renders a tool message's content as it is given
-(Qwen's, Llama 3's, Hermes' do); one that rewrites it is refused when the renderer is made.
+tokens recognised. The output is taken as the template renders it, as given (Qwen's, Hermes')
+or escaped (Llama 3's ``tojson``): the turn rendered with a marker in each output's place gives
+the envelope, and rendered with one output at a time, what stands at its marker's place.
 
-Cost: two template renderings and a tokenization of each piece a tool turn (~1 ms).
+Cost: a template rendering more than the tool messages' count (~1 ms each) and a tokenization
+of each piece, a tool turn.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from collections.abc import Sequence
 
 _USER = "\u2063user\u2063"
 _ASSISTANT = "\u2063assistant\u2063"
-_PROBE = "  a probe\n<|im_end|> of  "
-"""Content a template must render as given (spaces at both ends, a newline, a special token's
-text) for tool output to be placed and tokenized apart from the envelope."""
+_PROBE = "  a probe\n<|im_end|> of \"text\"  "
+"""Content a template must render in one piece (spaces at both ends, a newline, a quote, a
+special token's text) for tool output to be placed and tokenized apart from the envelope."""
 
 
 def _content_marker(i: int) -> str:
@@ -51,7 +53,7 @@ class TurnRenderer:
         self._specials = sorted({*getattr(tokenizer, "all_special_tokens", []),
                                  *getattr(tokenizer, "added_tokens_encoder", {})},
                                 key=len, reverse=True)
-        # a template that cannot render tool turns, or rewrites their content: refused now
+        # a template that cannot render tool turns, or not their content in one piece: now
         self.tool_ids([("probe", _PROBE)])
 
     def shows_tools(self) -> bool:
@@ -86,22 +88,34 @@ class TurnRenderer:
         return after[len(end):]
 
     def tool_ids(self, results: Sequence[tuple[str, str]]) -> list[int]:
-        """``tool_text`` as token ids: the template's envelope with its special tokens, each
-        tool's output tokenized apart with special tokens split (see the module docstring)."""
+        """``tool_text`` as token ids: the template's envelope with its special tokens, and each
+        tool's output as the template renders it (as given, or escaped: Llama 3's templates write
+        a tool's content through ``tojson``) tokenized apart with special tokens split (see the
+        module docstring)."""
         markers = [_content_marker(i) for i in range(len(results))]
-        rest = self.tool_text([(name, m) for (name, _), m in zip(results, markers)])
-        pieces: list[tuple[str, bool]] = []  # (text, whether its special tokens are tokens)
-        for marker, (_, content) in zip(markers, results):
+        framed = self.tool_text([(name, m) for (name, _), m in zip(results, markers)])
+        envelope, rest = [], framed
+        for marker in markers:
             before, found, rest = rest.partition(marker)
             if not found:
-                raise ValueError("the chat template does not render a tool message's content as "
-                                 "it is given; tool turns need a template that does")
-            pieces += [(before, True), (content, False)]
-        pieces.append((rest, True))
-        if "".join(text for text, _ in pieces) != self.tool_text(results):
-            raise ValueError("the chat template renders a tool message's content otherwise than "
-                             "it is given (it trims, escapes or rewrites it); tool turns need a "
-                             "template that renders it as given")
+                raise ValueError("the chat template does not render a tool message's content "
+                                 "(or not as one piece); tool turns need a template that does")
+            envelope.append(before)
+        envelope.append(rest)
+        pieces: list[tuple[str, bool]] = []  # (text, whether its special tokens are tokens)
+        for i, (_, content) in enumerate(results):
+            one = self.tool_text([(n, content if j == i else markers[j])
+                                  for j, (n, _) in enumerate(results)])
+            head = "".join(e + m for e, m in zip(envelope[:i], markers[:i])) + envelope[i]
+            tail = framed[len(head) + len(markers[i]):]
+            if not (one.startswith(head) and one.endswith(tail)) or len(one) < len(head) + len(tail):
+                raise ValueError("the chat template renders the rest of a tool turn differently "
+                                 "with each tool's output; tool turns need one that does not")
+            pieces += [(envelope[i], True), (one[len(head):len(one) - len(tail)], False)]
+        pieces.append((envelope[-1], True))
+        if len(results) > 1 and "".join(t for t, _ in pieces) != self.tool_text(results):
+            raise ValueError("the chat template renders a tool turn's outputs depending on each "
+                             "other; tool turns need one that does not")
         return [i for text, specials in pieces for i in self._encode(text, specials)]
 
     def _encode(self, text: str, specials: bool) -> list[int]:
