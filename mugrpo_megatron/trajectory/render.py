@@ -22,8 +22,8 @@ tokens recognised. The output is taken as the template renders it, as given (Qwe
 or escaped (Llama 3's ``tojson``): the turn rendered with a marker in each output's place gives
 the envelope, and rendered with one output at a time, what stands at its marker's place.
 
-Cost: a template rendering more than the tool messages' count (~1 ms each) and a tokenization
-of each piece, a tool turn.
+Cost: a template rendering a tool message (~1 ms each; the envelope is rendered once a set of
+tool names), one more for a turn of several, and a tokenization of each piece, a tool turn.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ _ASSISTANT = "\u2063assistant\u2063"
 _PROBE = "  a probe\n<|im_end|> of \"text\"  "
 """Content a template must render in one piece (spaces at both ends, a newline, a quote, a
 special token's text) for tool output to be placed and tokenized apart from the envelope."""
+
+
+_ENVELOPES_KEPT = 256
+"""Tool-name sets whose envelope is kept (a call's name is the model's, unknown ones too)."""
 
 
 def _content_marker(i: int) -> str:
@@ -53,6 +57,8 @@ class TurnRenderer:
         self._specials = sorted({*getattr(tokenizer, "all_special_tokens", []),
                                  *getattr(tokenizer, "added_tokens_encoder", {})},
                                 key=len, reverse=True)
+        self._envelopes: dict[tuple[str, ...], tuple[str, list[str]]] = {}
+        """``_envelope``'s, by the tools' names (a few: the names a turn calls)."""
         # a template that cannot render tool turns, or not their content in one piece: now
         self.tool_ids([("probe", _PROBE)])
 
@@ -93,15 +99,7 @@ class TurnRenderer:
         a tool's content through ``tojson``) tokenized apart with special tokens split (see the
         module docstring)."""
         markers = [_content_marker(i) for i in range(len(results))]
-        framed = self.tool_text([(name, m) for (name, _), m in zip(results, markers)])
-        envelope, rest = [], framed
-        for marker in markers:
-            before, found, rest = rest.partition(marker)
-            if not found:
-                raise ValueError("the chat template does not render a tool message's content "
-                                 "(or not as one piece); tool turns need a template that does")
-            envelope.append(before)
-        envelope.append(rest)
+        framed, envelope = self._envelope(tuple(name for name, _ in results))
         pieces: list[tuple[str, bool]] = []  # (text, whether its special tokens are tokens)
         for i, (_, content) in enumerate(results):
             one = self.tool_text([(n, content if j == i else markers[j])
@@ -117,6 +115,27 @@ class TurnRenderer:
             raise ValueError("the chat template renders a tool turn's outputs depending on each "
                              "other; tool turns need one that does not")
         return [i for text, specials in pieces for i in self._encode(text, specials)]
+
+    def _envelope(self, names: tuple[str, ...]) -> tuple[str, list[str]]:
+        """The tool turn of tools ``names`` rendered with a marker in each output's place, and
+        the text around the markers. It depends on the names alone, so it is rendered once a
+        set of names (a phase's 10^6 trajectories render one a tool turn otherwise)."""
+        if names not in self._envelopes:
+            if len(self._envelopes) >= _ENVELOPES_KEPT:  # names a model made up: start again
+                self._envelopes.clear()
+            markers = [_content_marker(i) for i in range(len(names))]
+            framed = self.tool_text(list(zip(names, markers)))
+            envelope, rest = [], framed
+            for marker in markers:
+                before, found, rest = rest.partition(marker)
+                if not found:
+                    raise ValueError("the chat template does not render a tool message's "
+                                     "content (or not as one piece); tool turns need a "
+                                     "template that does")
+                envelope.append(before)
+            envelope.append(rest)
+            self._envelopes[names] = (framed, envelope)
+        return self._envelopes[names]
 
     def _encode(self, text: str, specials: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=not specials)
