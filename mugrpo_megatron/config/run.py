@@ -138,6 +138,11 @@ def source_name(path: str) -> str:
     return name
 
 
+SERVICE_QUEUE_S = 60.0
+"""Seconds a program's request may wait in a SandboxFusion service's queue beyond its run
+(``rewards.sandbox_fusion``), and so what the code reward's scoring timeout adds for one."""
+
+
 @dataclass(frozen=True)
 class RewardConfig(Section):
     _name: ClassVar[str] = "reward"
@@ -219,7 +224,7 @@ class RewardConfig(Section):
     def __post_init__(self) -> None:
         if not self.name:
             self._fail("name", "must be a registered name or a dotted path")
-        url = self.sandbox.startswith(("http://", "https://"))
+        url = self.sandbox_is_service
         if self.sandbox not in ("bwrap", "unsafe") and not url:
             self._fail("sandbox", "must be 'bwrap' (the OS sandbox), the http(s) URL of a "
                                   "SandboxFusion service, or 'unsafe' (no isolation)")
@@ -250,8 +255,13 @@ class RewardConfig(Section):
         and by a minute more where a SandboxFusion service runs them (its queue's waits)."""
         if not self.uses_code:
             return self.timeout_s
-        queue = 60.0 if self.sandbox.startswith(("http://", "https://")) else 0.0
+        queue = SERVICE_QUEUE_S if self.sandbox_is_service else 0.0
         return max(self.timeout_s, self.sandbox_program_s + 10 + queue)
+
+    @property
+    def sandbox_is_service(self) -> bool:
+        """Whether ``sandbox`` names a SandboxFusion service (an http(s) URL)."""
+        return self.sandbox.startswith(("http://", "https://"))
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 
+from mugrpo_megatron.config.run import SERVICE_QUEUE_S
 from mugrpo_megatron.rewards.sandbox_spec import RunResult
 
 RETRIES = 3
@@ -48,9 +49,10 @@ RETRIES = 3
 HTTP_SLACK_S = 5.0
 """Seconds a request may take beyond the program's run_timeout (the start of its interpreter)
 on a service with nothing queued."""
-QUEUE_S = 60.0
+QUEUE_S = SERVICE_QUEUE_S
 """Seconds more a request may wait in the service's queue before it counts as the service's
-failure (and is tried again): the scorer's reward.timeout_s stays the bound over a response."""
+failure (and is tried again); the scorer's timeout grows by as much (``RewardConfig.
+scoring_timeout_s``) and stays the bound over a response."""
 
 
 def is_url(mode: str) -> bool:
