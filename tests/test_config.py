@@ -75,6 +75,7 @@ def test_yaml_and_overrides(tmp_path):
     ("model.router_load_balancing=aux_loss", r"model\.router_aux_loss_coeff: .*'aux_loss'"),
     ("model.router_dtype=bf16", r"model\.router_dtype: must be one of \['fp32', 'fp64'\]"),
     ("parallel.context=0", r"parallel\.context: must be > 0"),
+    ("rollout.max_tool_calls_per_turn=0", r"rollout\.max_tool_calls_per_turn: must be > 0"),
     ("model.router_bias_update_rate=-0.001", r"model\.router_bias_update_rate: must be >= 0"),
     ("reward.sandbox=http://", r"reward\.sandbox: is not a URL with a host"),
     ("reward.sandbox=docker", r"reward\.sandbox: must be 'bwrap' \(the OS sandbox\), the http\(s\) "
