@@ -42,7 +42,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from mugrpo_megatron.dryrun import plan
 
     cfg = _load(args)
-    text = plan(cfg, args.world_size, args.gpus_per_node)
+    text = plan(cfg, args.world_size, args.gpus_per_node, hf_config=args.hf_config)
     print(text + "\n" + _inputs(cfg, overwrite=False))
     return 0
 
@@ -156,6 +156,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="validate a config for a world size and print the schedule")
     _config_args(p)
     p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--hf-config", default=None,
+                   help="an HF config.json (or its directory) for the phase-cost model, when "
+                        "model.path's is not on this machine")
     _gpus_per_node_arg(p, "default: not checked")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("train", help="train with Mu-GRPO (launch through torchrun for > 1 process)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mugrpo_megatron.config import Config
+from mugrpo_megatron.dryrun import cost
 from mugrpo_megatron.dryrun.compute import update_seconds
 from mugrpo_megatron.dryrun.memory import (
     ASSUMED_MFU,
@@ -146,6 +147,8 @@ def dry_run(cfg: Config, world_size: int, hf_config: str | Path | None = None,
         + f"; the cheapest that fits: {e['cheapest_recompute'] or 'none of them'} (this config: "
           f"{cfg.model.recompute})",
     ]
+    lines += cost.describe(cfg, spec, world_size, gpus_per_node or world_size,
+                           cost.Rates(gpu_gib=gpu_gib))
     if e["peak"] + e["margin"] > gpu_gib * GIB:
         raise ValueError("\n".join(lines) + f"\nthe estimate ({e['peak'] / GIB:.1f} GiB at "
                          f"{e['peak_transition']}, plus the margin) does not fit "
@@ -189,15 +192,27 @@ def trajectories(cfg: Config) -> str:
             f"in the prefix cache), {r.tool_workers} tool processes a replica run them")
 
 
-def plan(cfg: Config, world_size: int, gpus_per_node: int | None = None) -> str:
-    """The ``plan`` command: the layout (checked) and the schedule in words."""
-    layout = check_layout(cfg, world_size, gpus_per_node)
+def plan(cfg: Config, world_size: int, gpus_per_node: int | None = None,
+         hf_config: str | Path | None = None) -> str:
+    """The ``plan`` command: the layout (checked) and the schedule in words; with the model's
+    config.json (``hf_config``, or model.path's when it is there), what the run would cost,
+    GRPO at mu = 4 beside Mu-GRPO (``dryrun.cost``)."""
+    source = Path(hf_config) if hf_config else (
+        Path(cfg.model.path) if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file()
+        else None)
+    spec = read_model_spec(source) if source is not None else None
+    layout = check_layout(cfg, world_size, gpus_per_node, spec)
     a = cfg.algo
     veto = ("off" if a.veto_threshold is None
             else f"below {a.veto_threshold:g}, scope {a.veto_scope}")
-    return "\n".join([
+    lines = [
         f"world size {world_size}: TP {cfg.parallel.tensor} x PP {cfg.parallel.pipeline} x DP "
         f"{layout.data_parallel}; {layout.placement.describe()}",
         f"schedule: {describe_schedule(cfg)}",
         f"clip ratio to [{1 - a.clip_low:g}, "
-        f"{'auto' if a.clip_high_auto else f'{1 + a.clip_high:g}'}]; veto {veto}"])
+        f"{'auto' if a.clip_high_auto else f'{1 + a.clip_high:g}'}]; veto {veto}"]
+    if spec is None:
+        lines.append("phase cost: needs the model's config.json (model.path, or --hf-config)")
+    else:
+        lines += cost.describe(cfg, spec, world_size, gpus_per_node or min(world_size, 8))
+    return "\n".join(lines)

@@ -34,15 +34,17 @@ def forward_flops(spec: ModelSpec, seq: int) -> tuple[float, float]:
     return float(gemm), float(core)
 
 
-def update_seconds(cfg: Config, spec: ModelSpec, dp: int, world: int) -> dict:
-    """One update's FLOPs, the pipeline's idle share and seconds at the stated rate."""
-    p, seq = cfg.parallel, cfg.max_sequence_tokens
+def update_seconds(cfg: Config, spec: ModelSpec, dp: int, world: int, seq: int | None = None,
+                   mfu: float = ASSUMED_MFU, peak: float = DATASHEET_BF16) -> dict:
+    """One update's FLOPs, the pipeline's idle share and seconds at the stated rate, every
+    sequence ``seq`` tokens long (default: the longest a phase allows)."""
+    p, seq = cfg.parallel, seq or cfg.max_sequence_tokens
     gemm, core = forward_flops(spec, seq)
     extra = {"none": 0.0, "selective": core, "full": gemm + core}[cfg.model.recompute]
     flops = cfg.algo.samples_per_update * (3 * (gemm + core) + extra)
     rank_tokens = cfg.algo.samples_per_update * seq / dp  # a DP rank's share, over its CP ranks
     microbatches = max(1, round(rank_tokens / (microbatch_tokens(cfg, spec)[0] * p.context)))
     bubble = (p.pipeline - 1) / ((p.virtual_pipeline or 1) * microbatches)
-    seconds = flops * (1 + bubble) / (world * ASSUMED_MFU * DATASHEET_BF16)
+    seconds = flops * (1 + bubble) / (world * mfu * peak)
     return {"flops": flops, "attention_share": core / (gemm + core), "bubble": bubble,
             "microbatches": microbatches, "seconds": seconds}
