@@ -54,6 +54,16 @@ def init_default_group(timeout_minutes: float) -> None:
     _timeout_minutes = timeout_minutes
 
 
+def leave() -> None:
+    """Destroy the default group (and every group under it) at the end of a run that finished:
+    torch asks for it before exit (2.4+: NCCL's communicators leak, and its destructor warns,
+    without it), and a gloo group left to the interpreter's teardown can abort the process after
+    its work is done ("terminate called without an active exception"). Only where every rank
+    finished in step: after a collective timed out, destroying may wait on the rank that stopped."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def device() -> torch.device:
     """This rank's device: its GPU (``LOCAL_RANK``'s, set by ``init_default_group``) or the CPU.
     Also where the tensors of every collective of the job live: the default group is NCCL where

@@ -513,4 +513,5 @@ def train(cfg: Config, start: str) -> int:
     finally:
         if trainer is not None:
             trainer.close()
+    distributed.leave()
     return 0

@@ -109,3 +109,17 @@ def test_ranks_done_early_wait_for_a_slow_one_outside_any_collective(tmp_path, f
     it succeeds (without the wait the all-gather times out after 3 s, as the frozen case shows
     for the late rank). A rank that makes no progress for the stall limit is named."""
     assert spawn_ranks(_late_replica, str(tmp_path), frozen, ranks=3, timeout=120) == [0, 0, 0]
+
+
+def test_a_finished_run_leaves_no_group_behind():
+    """``distributed.leave``: the default group destroyed (torch asks for it before exit), and
+    a no-op where there is none."""
+    import torch.distributed as dist
+
+    from mugrpo_megatron import distributed
+
+    distributed.leave()  # none yet
+    distributed.init_default_group(1)
+    assert dist.is_initialized()
+    distributed.leave()
+    assert not dist.is_initialized()
