@@ -56,6 +56,9 @@ class RolloutEngine(abc.ABC):
     max_running_sequences: int | None = None
     """The most sequences the engine runs at once (None: not known), which sizes the queue a
     replica keeps in it (``fleet.inflight_prompts``)."""
+    weight_format: str = ""
+    """How a sync's weights reach the engine, where it is not the model's dtype as sent (said
+    once at start: an FP8 engine's scales, UE8M0 or float32)."""
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec

@@ -302,4 +302,7 @@ class EngineFleet:
             self.engine = None
 
     def describe(self) -> str:
-        return self.placement.describe()
+        """Where the replicas run and, where this rank hosts one, how a sync's weights reach it
+        (an FP8 engine's scales)."""
+        held = self.engine.weight_format if self.engine is not None else ""
+        return self.placement.describe() + (f"; {held}" if held else "")

@@ -160,6 +160,11 @@ class VLLMEngine(RolloutEngine):
                 "yet: run the engine without it")
         # the scales the engine will keep: quantized so, its re-quantization changes nothing
         self._ue8m0 = self._fp8 and engine_scales_ue8m0()
+        if self._fp8:
+            self.weight_format = (
+                "block FP8 weights, each 128 x 128 block's scale rounded up to a power of two "
+                "(UE8M0: vLLM's DeepGEMM path keeps them so)" if self._ue8m0 else
+                "block FP8 weights, float32 block scales (the engine keeps them as sent)")
         self.supports_sleep = on_gpu and cfg.sleep_between_phases
         self.sleep_discards_weights = self.supports_sleep  # level 2
         self._broken = ""
