@@ -154,3 +154,47 @@ class TrainBatch(TokenBatch):
     is_weight: torch.Tensor | None = None
     """[B, S] float: each response token's importance weight from the engine's sampling to the
     behaviour policy (``algo.rollout_is``: ``rollout_correction``; 1 elsewhere); None: 1."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of one HF tensor a weight sync sends an engine rank that keeps only that part
+    (``learner.export.iter_hf_tensors(engine_tp=...)``): its values, the whole tensor's shape and
+    where the values lie in it. The engine is handed what was sent, not the zeros around it: it
+    does any per-slice work on the values first (block-FP8 quantization: 1/TP of the elements,
+    not the whole tensor's), counts their bytes as what the sync moved, and only then builds
+    the full-shape tensor vLLM's loaders narrow to the same slice (``whole``)."""
+
+    values: torch.Tensor
+    shape: tuple[int, ...]
+    """The whole tensor's."""
+    region: tuple[tuple[int, int], ...]
+    """(start, stop) of ``values`` along each dimension of the whole."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size()
+
+    def whole(self, fill: float = 0.0) -> torch.Tensor:
+        """The full-shape tensor: ``values`` in their region, ``fill`` elsewhere."""
+        import torch
+
+        out = torch.full(self.shape, fill, dtype=self.values.dtype, device=self.values.device)
+        out[tuple(slice(a, b) for a, b in self.region)] = self.values
+        return out
+
+    def with_values(self, values: torch.Tensor, block: tuple[int, ...] | None = None) -> Shard:
+        """The same place with other values: the same region, or, with ``block``, the region
+        of the blocks the region covers (a block-FP8 weight's scales), which must start on a
+        block and end on one or at the whole's end (ValueError: a block that two ranks' slices
+        would share)."""
+        if block is None:
+            return Shard(values, self.shape, self.region)
+        shape, region = [], []
+        for n, (a, b), k in zip(self.shape, self.region, block):
+            if a % k or (b % k and b != n):
+                raise ValueError(f"a slice [{a}, {b}) of a dimension of {n} is not whole blocks "
+                                 f"of {k}: a block would hold two engine ranks' weights")
+            shape.append(-(-n // k))
+            region.append((a // k, -(-b // k)))
+        return Shard(values, tuple(shape), tuple(region))

@@ -73,6 +73,43 @@ def test_quantizer_matches_the_blockwise_reference(shape, dtype, rows_at_once):
     assert (q.float().abs().amax() == FP8_MAX) or w.abs().max() == 0
 
 
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("dim, rank", [(0, 0), (0, 1), (1, 1)])
+def test_a_shard_is_quantized_alone_as_its_slice_of_the_padded_whole(dim, rank, ue8m0):
+    """A sync's ``Shard`` (an engine rank's slice, issue 63) quantized on its own, then padded:
+    the e4m3 values equal the padded tensor's quantization everywhere (zeros outside), the
+    scales in the slice's blocks (what vLLM narrows to) too, 1 outside; its count is the
+    slice's bytes, not the padding's. A slice that is not whole blocks is refused."""
+    from mugrpo_megatron.types import Shard
+
+    torch.manual_seed(dim * 2 + rank)
+    shape = (512, 384) if dim == 0 else (256, 512)  # the last dimension 384: 3 blocks
+    w = torch.randn(*shape, dtype=torch.bfloat16) * 0.05
+    n = shape[dim] // 2
+    region = tuple((rank * n, (rank + 1) * n) if d == dim else (0, shape[d]) for d in range(2))
+    part = w[tuple(slice(a, b) for a, b in region)].clone()
+    padded = torch.zeros_like(w)
+    padded[tuple(slice(a, b) for a, b in region)] = part
+    name = "model.layers.0.mlp.up_proj.weight"
+    (_, q_ref), (_, s_ref) = list(quantize_stream([(name, padded)], ue8m0=ue8m0))
+    shard = Shard(part, shape, region)
+    assert shard.nbytes == part.numel() * 2 == padded.numel()  # half of the whole's bf16 bytes
+    (got_name, q), (scale_name, s) = list(quantize_stream([(name, shard)], ue8m0=ue8m0))
+    assert (got_name, scale_name) == (name, name.removesuffix("weight") + SCALE_SUFFIX)
+    assert q.shape == shape and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    blocks = tuple(slice(a // 128, -(-b // 128)) for a, b in region)
+    assert s.shape == s_ref.shape and torch.equal(s[blocks], s_ref[blocks])
+    outside = torch.ones_like(s, dtype=torch.bool)
+    outside[blocks] = False
+    assert outside.any() and (s[outside] == 1).all()
+    # a tensor that is not quantized comes padded as it is
+    norm = Shard(torch.ones(3), (6,), ((3, 6),))
+    assert torch.equal(list(quantize_stream([("model.layers.0.bias", norm)]))[0][1],
+                       torch.tensor([0.0, 0, 0, 1, 1, 1]))
+    with pytest.raises(ValueError, match="not whole blocks of 128"):
+        list(quantize_stream([(name, Shard(part[:, :64], shape, ((0, 256), (64, 128))))]))
+
+
 def test_stream_quantizes_the_linear_weights_of_the_layers_only(tmp_path):
     """Every 2-D weight of the decoder layers except norms and the router goes out as e4m3 and
     its ``weight_scale_inv`` right after; the embedding, output layer, norms, router and its

@@ -9,7 +9,8 @@ and the embeddings without a quantization method, the FP8 checkpoints keep them 
 
 The scale of a block is its largest magnitude over e4m3's largest finite value (448), so the
 block's largest element maps to +-448 and the rest round to the nearest e4m3 value; an all-zero
-block (a rank's zeros outside its shard, in a sharded stream) gets the scale 1 and stays zero.
+block gets the scale 1 and stays zero, as do the blocks outside a ``Shard`` (a sync's slice for
+one engine rank, quantized alone and then padded).
 
 **UE8M0 scales** (``ue8m0``): vLLM 0.32/0.33 on Hopper and Blackwell runs block FP8 through
 DeepGEMM and, where ``vllm.utils.deep_gemm.is_deep_gemm_e8m0_used()`` (``VLLM_USE_DEEP_GEMM_E8M0``
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 
 from mugrpo_megatron.layout.shapes import ENGINE_FP8_BLOCK
+from mugrpo_megatron.types import Shard
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -123,25 +125,34 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
     return (q.float() * scale).to(dtype)
 
 
-def quantize_stream(weights: Iterable[tuple[str, torch.Tensor]],
+def quantize_stream(weights: Iterable[tuple[str, torch.Tensor | Shard]],
                     block: tuple[int, int] = BLOCK, ue8m0: bool = False,
                     kept: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """The export stream as the engine's FP8 checkpoint holds it: each linear weight of the
     layers (``is_quantized``) as its e4m3 tensor followed by ``<module>.weight_scale_inv``, the
-    rest as it came. One tensor at a time: what it holds beyond the stream is ``rows_at_once``
-    rows of one weight in float32 while it is quantized. Each engine rank quantizes the whole
-    tensors it is handed, not only the slice it keeps (the stream is full-shape, zeros outside
-    the slice where the sync sends each rank its slices): at DeepSeek-V3 that is 671B elements
-    a rank a sync, a few seconds of elementwise GPU work once a phase. ``kept``: modules sent
-    as they are (``routers``)."""
+    rest as it came, full-shape. One tensor at a time: what it holds beyond the stream is
+    ``rows_at_once`` rows of one weight in float32 while it is quantized. A ``Shard`` (where the
+    sync sends each engine rank its slices) is quantized alone, then padded to full shape, its
+    scales likewise (1 outside the slice's blocks; the engine reads only the slice's): 1/TP of
+    the elements, where quantizing the padded tensor would take every one (671B a rank a sync at
+    DeepSeek-V3). ``kept``: modules sent as they are (``routers``)."""
     kept_set = frozenset(kept)
     for name, tensor in weights:
-        if is_quantized(name, tensor, kept_set):
-            q, scale_inv = quantize_blocks(tensor, block, ue8m0=ue8m0)
+        values = tensor.values if isinstance(tensor, Shard) else tensor
+        if is_quantized(name, values, kept_set):
+            q, scale_inv = quantize_blocks(values, block, ue8m0=ue8m0)
+            if isinstance(tensor, Shard):
+                scale_inv = tensor.with_values(scale_inv, block).whole(fill=1.0)
+                q = tensor.with_values(q).whole()
             yield name, q
             yield name.removesuffix("weight") + SCALE_SUFFIX, scale_inv
         else:
-            yield name, tensor
+            yield name, whole(tensor)
+
+
+def whole(tensor: torch.Tensor | Shard) -> torch.Tensor:
+    """A stream's tensor full-shape (a ``Shard`` padded, anything else as it is)."""
+    return tensor.whole() if isinstance(tensor, Shard) else tensor
 
 
 def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

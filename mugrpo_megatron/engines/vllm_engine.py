@@ -78,8 +78,10 @@ from mugrpo_megatron.engines.fp8_weights import (
     quantization_config,
     quantize_stream,
     routers,
+    whole,
 )
 from mugrpo_megatron.models.hf_config import model_spec_from_dict
+from mugrpo_megatron.types import Shard
 
 SLEEP_LEVEL = 2
 """vLLM's sleep level between phases (see the module docstring)."""
@@ -270,13 +272,17 @@ class VLLMEngine(RolloutEngine):
             abort_requests(self.llm, list(self._turn_ids))
         self._turn_ids = {}
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor | Shard]]
+                       ) -> WeightSyncStats:
+        """Load a sync's stream; counts what it carried (a ``Shard``'s values, not the padding
+        the engine adds around them)."""
         counted = {"tensors": 0, "bytes": 0}
 
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        def stream() -> Iterator[tuple[str, torch.Tensor | Shard]]:
             for name, tensor in weights:
                 counted["tensors"] += 1
-                counted["bytes"] += tensor.numel() * tensor.element_size()
+                counted["bytes"] += tensor.nbytes if isinstance(tensor, Shard) \
+                    else tensor.numel() * tensor.element_size()
                 yield name, tensor
 
         if self._broken:
@@ -284,7 +290,7 @@ class VLLMEngine(RolloutEngine):
                                f"({self._broken}); restart the engine")
         t0 = time.perf_counter()
         sent = quantize_stream(stream(), ue8m0=self._ue8m0, kept=self._kept) if self._fp8 \
-            else stream()
+            else ((name, whole(t)) for name, t in stream())
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": sent})
         except Exception as e:

@@ -11,8 +11,10 @@ engine's weight update (resharding), so both use one mapping.
 For an engine whose tensor-parallel ranks are the learner's (``engine_tp`` = TP: vLLM placed
 spmd at the learner's TP size, engine TP rank r in the process of learner TP rank r), each rank
 keeps only its shard of the attention and MLP projections, so they are not gathered: each rank
-streams full-shape HF tensors that hold its own shard (zeros elsewhere; vLLM's checkpoint-format
-loaders narrow every tensor to the rank's slice and read nothing else), and the PP broadcast
+streams its own shard of each as a ``types.Shard`` (the values, the whole's shape, where they
+lie), which the engine pads to full shape after any work on the slice alone (vLLM's
+checkpoint-format loaders narrow every tensor to the rank's slice and read nothing else), and
+the PP broadcast
 carries the shards. A rank then sends and receives 1/TP of those bytes (at 70B, TP 8: ~17 GB of
 the 137 GB of projections a sync, not 137 GB); the vocabulary (megatron and vLLM pad and split it
 differently) and norms travel whole. An MoE's experts likewise, where the learner's expert
@@ -54,6 +56,7 @@ from mugrpo_megatron.models.mapping import (
     tp_split_dim,
 )
 from mugrpo_megatron.models.released import dequantized_config
+from mugrpo_megatron.types import Shard
 
 
 def _stage_entries(chunks: list[torch.nn.Module], spec: ModelSpec
@@ -71,12 +74,12 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
                     dtype: torch.dtype | None = None,
                     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.detach(),
                     bucket_bytes: int = 512 << 20, engine_tp: int = 0,
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+                    ) -> Iterator[tuple[str, torch.Tensor | Shard]]:
     """Yield (HF name, full tensor) for the whole model on every rank (collective); with
     ``engine_tp`` (the TP size of an engine placed spmd on these ranks, where
-    ``handoff.sync_engine_tp`` allows it) the attention and MLP projections hold only the slice
-    this rank's engine rank keeps, zeros elsewhere (see the module docstring): for a weight sync,
-    never for an export. 0: every tensor whole.
+    ``handoff.sync_engine_tp`` allows it) the attention and MLP projections come as a
+    ``Shard``, the slice this rank's engine rank keeps (see the module docstring): for a weight
+    sync, never for an export. 0: every tensor whole.
 
     Tensors cross pipeline stages in buckets of at most ``bucket_bytes`` (one flat broadcast per
     bucket); a tensor larger than a bucket travels alone. ``tensor_of`` picks what is streamed for
@@ -147,18 +150,16 @@ def iter_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
                                zip(bucket, flat.split(numels))]
                 del flat
             for (name, t, fresh), (_, _, _, place) in zip(tensors, bucket):
-                if place is not None:  # this rank's shard, in a full-shape tensor of its own
-                    full = torch.zeros(place[0], dtype=dtype or t.dtype, device=t.device)
-                    full[tuple(slice(*i) for i in place[1])] = t
-                    yield name, full
                 # never hand out a view of a live parameter: a consumer may keep it (vLLM can)
                 # and see later optimizer steps, or write into it
-                elif dtype is not None and t.dtype != dtype:
-                    yield name, t.to(dtype)
-                else:
-                    yield name, t if fresh else t.clone()
-            tensors = t = full = None  # the last tensor handed out is not held while the next
-            # is made
+                if dtype is not None and t.dtype != dtype:
+                    t = t.to(dtype)
+                elif not fresh:
+                    t = t.clone()
+                # this rank's shard, with where it lies: the engine pads it to full shape
+                yield name, Shard(t, tuple(place[0]), tuple(tuple(i) for i in place[1])) \
+                    if place is not None else t
+            tensors = t = None  # the last tensor handed out is not held while the next is made
 
 
 class _ExpertGroups:

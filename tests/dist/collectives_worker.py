@@ -28,6 +28,7 @@ from collective_log import CollectiveLog, te_amax_emulation  # noqa: E402
 from mugrpo_megatron.config.loader import load_config  # noqa: E402
 from mugrpo_megatron.handoff import sync_engine_tp  # noqa: E402
 from mugrpo_megatron.learner.export import iter_hf_tensors  # noqa: E402
+from mugrpo_megatron.types import Shard  # noqa: E402
 from mugrpo_megatron.learner.learner import Learner  # noqa: E402
 from mugrpo_megatron.learner.packing import plan_bins, sequence_lengths  # noqa: E402
 from mugrpo_megatron.types import TokenBatch, TrainBatch  # noqa: E402
@@ -123,9 +124,9 @@ ROWS = ("o_proj", "down_proj")  # split along their input (dim 1); the others al
 def streamed(learner, engine_tp: int) -> dict:
     """The weight-sync stream's tensors on this rank, by name (``engine_tp`` 0: every tensor
     whole)."""
-    return {n: t.clone() for n, t in iter_hf_tensors(learner.chunks(), learner.spec,
-                                                      bucket_bytes=1 << 16,
-                                                      engine_tp=engine_tp if engine_tp > 1 else 0)}
+    return {n: t.whole() if isinstance(t, Shard) else t.clone()
+            for n, t in iter_hf_tensors(learner.chunks(), learner.spec, bucket_bytes=1 << 16,
+                                        engine_tp=engine_tp if engine_tp > 1 else 0)}
 
 
 def engine_slice(name: str, shape, tp_rank: int, tp: int, spec) -> tuple[slice, ...]:

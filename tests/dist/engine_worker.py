@@ -29,6 +29,7 @@ from mugrpo_megatron.handoff import sync_engine_tp
 from mugrpo_megatron.learner.export import iter_hf_tensors, save_hf_checkpoint
 from mugrpo_megatron.learner.learner import Learner
 from mugrpo_megatron.phase.batches import logprob_gap
+from mugrpo_megatron.types import Shard
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' helpers
 from helpers import Sample, to_batch  # noqa: E402
@@ -37,8 +38,10 @@ PROMPTS = [[5, 17, 33, 9], [101, 7, 250], [42, 42, 8, 19, 3, 77], [300, 12]]
 
 
 def corrupt(stream, how, spec):
-    """Deliberately wrong layouts that a resharding bug could produce."""
+    """Deliberately wrong layouts that a resharding bug could produce (a rank's slice sent as
+    the full-shape tensor it stands for)."""
     for name, t in stream:
+        t = t.whole() if isinstance(t, Shard) else t
         if how == "swap_qkv_groups" and name.endswith(("self_attn.q_proj.weight",
                                                        "self_attn.q_b_proj.weight")):
             half = t.shape[0] // 2  # query heads of group 0 <-> group 1 (MLA: of TP rank 0 <-> 1)
