@@ -184,15 +184,22 @@ def plot(runs: dict[str, list[dict]], lines: list, path: Path) -> None:
     plt.close(fig)
 
 
-def update_results_md(path: Path, section: str, tag: str = "") -> None:
-    """Replace this benchmark's marked section (one per ``--tag``) of RESULTS.md; appended the
-    first time."""
-    begin, end = f"<!-- paper_miniature{tag}:begin -->", f"<!-- paper_miniature{tag}:end -->"
+def update_results_md(path: Path, section: str, tag: str = "", name: str = "paper_miniature"
+                      ) -> None:
+    """Replace a benchmark's marked section (``name``, one per ``--tag``) of RESULTS.md;
+    appended the first time. ValueError where the markers enclose more than one section."""
+    begin, end = f"<!-- {name}{tag}:begin -->", f"<!-- {name}{tag}:end -->"
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     block = f"{begin}\n{section.strip()}\n{end}"
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1]
+        old, tail = rest.split(end, 1)
+        headers = [line for line in old.splitlines() if line.startswith("## ")]
+        if len(headers) > 1:  # a misplaced marker: what lies between is others' work
+            raise ValueError(f"{path}: the markers {begin} .. {end} enclose {len(headers)} "
+                             f"sections ({headers[0]!r}, {headers[1]!r}, ...), not this "
+                             f"benchmark's one: move the markers around its own section")
+        text = head + block + tail
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)

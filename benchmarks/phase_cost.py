@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from mugrpo_megatron.config.loader import load_config  # noqa: E402
 from mugrpo_megatron.dryrun import cost  # noqa: E402
@@ -166,15 +167,9 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(RESULTS, indent=1))
     if args.results_md:
-        path = Path(args.results_md)
-        begin, end = "<!-- phase_cost:begin -->", "<!-- phase_cost:end -->"
-        md = path.read_text()
-        if begin in md:
-            head, rest = md.split(begin, 1)
-            md = head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1]
-        else:
-            md += f"\n{begin}\n{text}\n{end}\n"
-        path.write_text(md)
+        import miniature_report
+
+        miniature_report.update_results_md(Path(args.results_md), text, name="phase_cost")
 
 
 if __name__ == "__main__":

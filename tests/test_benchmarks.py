@@ -223,6 +223,24 @@ def quick_results(script: str, tmp_path, timeout: int):
     return json.loads(out.read_text())
 
 
+def test_a_results_section_is_replaced_only_between_its_own_markers(tmp_path):
+    """A benchmark's --results-md replaces its marked section; markers that enclose other
+    sections too (a begin marker left above sections written later) are refused, the file
+    unchanged, instead of deleting them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from miniature_report import update_results_md
+
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# R\n<!-- x:begin -->\n## mine\nold\n<!-- x:end -->\n## later\n")
+    update_results_md(path, "## mine\nnew", name="x")
+    assert path.read_text() == "# R\n<!-- x:begin -->\n## mine\nnew\n<!-- x:end -->\n## later\n"
+    bad = "<!-- x:begin -->\n## other's\ntext\n## mine\nold\n<!-- x:end -->\n"
+    path.write_text(bad)
+    with pytest.raises(ValueError, match="enclose 2 sections"):
+        update_results_md(path, "## mine\nnew", name="x")
+    assert path.read_text() == bad
+
+
 def test_phase_cost_quick(tmp_path):
     """benchmarks/phase_cost.py: GRPO mu=4 beside Mu-GRPO for the shipped large configs, each
     ratio inside its range, and the model against NeMo-RL's published steps within the factor

@@ -21,6 +21,9 @@ from helpers import (
     torchrun_nodes,
 )
 
+from mugrpo_megatron.config.loader import load_config
+from mugrpo_megatron.dryrun.memory import sync_bytes
+from mugrpo_megatron.models.hf_config import read_model_spec
 from mugrpo_megatron.models.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -282,9 +285,10 @@ def test_replica_spanning_two_nodes_meets_the_contract(workdir, job):
     """An engine replica larger than a node (issue 51): torchrun --nnodes 2 on localhost, one
     rank a "node" (LOCAL_WORLD_SIZE 1), vLLM at TP2 spmd, so the replica's tensor-parallel
     group spans both. The contract holds before and after an update (gap within 1e-5), and each
-    rank's engine counts what it took: every HF tensor full-shape, the same on both ranks,
-    whether the learner at DP2 cuts each tensor to its engine rank's slice or at TP2 streams
-    its own shards in them (zeros elsewhere; what that saves on the wire is
+    rank's engine counts what it was sent, the same on both ranks, whether the learner at DP2
+    cuts each tensor to its engine rank's slice or at TP2 streams its own shards: the slices,
+    not the full-shape tensors the engine pads them into, as many bytes as the dry run says a
+    rank receives (the norms, whole on every rank, apart; what the cut saves on the wire is
     tests/test_collectives.py's count)."""
     r = run(workdir, "vllm", job)
     assert r["local_world_size"] == ["1", "1"], r["local_world_size"]
@@ -295,6 +299,15 @@ def test_replica_spanning_two_nodes_meets_the_contract(workdir, job):
     assert len(counted) == 2 and all(n and n > 0 for n in counted), counted
     assert counted[0] == counted[1] == r["sync"][0]["bytes"], counted
     assert r["sync_engine_tp"] == 2, r["sync_engine_tp"]
+    model = checkpoint(workdir, jobs("vllm")[job]["model"])
+    cfg = load_config(None, [f"model.path={model}", "model.dtype=float32",
+                             *jobs("vllm")[job]["overrides"]])
+    spec = read_model_spec(model)
+    dp = 2 // cfg.parallel.tensor
+    cut, expected = sync_bytes(cfg, spec, spec.num_parameters(), 2)
+    assert cut == ("engine slices" if dp == 2 else "own shards"), cut
+    assert counted[0] < spec.num_parameters() * 4 * 3 / 4  # not the full-shape tensors
+    assert counted[0] == pytest.approx(expected, rel=0.02), (counted[0], expected)
     if job == "span_nodes_moe_tp2":
         assert "permute_experts" in r["gaps"]
 
