@@ -65,6 +65,9 @@ class EvalResult:
     """The first few failures: source, data row and error."""
     by_source: dict[str, EvalResult] = field(default_factory=dict)
     """The same for each source of a set that has several."""
+    tool_use: dict[str, float] = field(default_factory=dict)
+    """With tools (``rollout.tools``): model turns and tool calls a response, and the share of
+    calls that failed ('turns', 'tool_calls', 'tool_error_frac'); empty without."""
 
     @property
     def num_failed(self) -> int:
@@ -88,7 +91,16 @@ class EvalResult:
             out["reward_failure_examples"] = list(self.failure_examples)
         if self.by_source:
             out["by_source"] = {s: r.as_dict() for s, r in self.by_source.items()}
-        return out
+        return {**out, **self.tool_use}
+
+    def summary(self) -> str:
+        """The set's scores in one line (and its tool use, with tools)."""
+        t = self.tool_use
+        tools = (f"; {t['turns']:.2f} turns and {t['tool_calls']:.2f} tool calls a response, "
+                 f"{t['tool_error_frac']:.0%} of calls failed" if t else "")
+        return (f"mean@{self.samples} {self.mean_reward:.3f}, "
+                + ", ".join(f"pass@{k} {v:.3f}" for k, v in self.pass_at.items())
+                + f" on {self.num_prompts} prompts{tools}")
 
 
 def eval_sampling(*, k: int, max_new_tokens: int, temperature: float | None = None,
@@ -119,9 +131,11 @@ def reported_k(cfg: Config, n: int) -> list[int]:
 
 
 def score_eval(gens: Sequence[Sequence[Generation]], prompts: Sequence[Prompt],
-               scorer: RewardScorer, tokenizer, ks: Sequence[int]) -> EvalResult:
+               scorer: RewardScorer, tokenizer, ks: Sequence[int], tools: bool = False
+               ) -> EvalResult:
     """Score each prompt's n responses with the training reward (routed by source, given the
-    row as in training); pass@k for each k of ``ks``, overall and by source."""
+    row as in training); pass@k for each k of ``ks``, overall and by source; with ``tools``
+    (the responses are trajectories), their tool use."""
     texts, answers, rows, lengths = [], [], [], []
     for prompt, group in zip(prompts, gens):
         for g in group:
@@ -132,9 +146,15 @@ def score_eval(gens: Sequence[Sequence[Generation]], prompts: Sequence[Prompt],
     outcome = scorer.score(texts, answers, rows)
     n = len(gens[0]) if gens else 1
     per_prompt = [outcome.rewards[i * n:(i + 1) * n] for i in range(len(prompts))]
+    flat = [g for group in gens for g in group]
+    calls = sum(g.tool_calls for g in flat)
+    tool_use = {"turns": sum(g.turns for g in flat) / len(flat),
+                "tool_calls": calls / len(flat),
+                "tool_error_frac": sum(g.tool_errors for g in flat) / max(calls, 1)} \
+        if tools and flat else {}
     result = replace(_result(per_prompt, lengths, n, ks, outcome.num_timeouts),
                      num_errors=outcome.num_errors, failed_by_source=outcome.failed_by_source,
-                     failure_examples=outcome.errors)
+                     failure_examples=outcome.errors, tool_use=tool_use)
     sources = sorted({p.source for p in prompts})
     if len(sources) > 1:
         by = {}
@@ -162,7 +182,7 @@ def evaluate(engine: RolloutEngine, scorer: RewardScorer, tokenizer, prompts: Se
     """``spec.n`` responses per prompt from one engine, scored with the training reward."""
     extra = {"rows": lambda k: tool_rows(prompts[k])} if engine.takes_rows else {}
     return score_eval(engine.generate([p.token_ids for p in prompts], spec, **extra), prompts,
-                      scorer, tokenizer, ks)
+                      scorer, tokenizer, ks, tools=engine.takes_rows)
 
 
 def evaluate_checkpoint(cfg: Config, model: Path, *, data: list[str] | None, limit: int | None,
@@ -211,6 +231,7 @@ def evaluate_checkpoint(cfg: Config, model: Path, *, data: list[str] | None, lim
                     spec = set_sampling(cfg, name)
                     result = evaluate(engine, scorer, tokenizer, prompts, spec,
                                       reported_k(cfg, spec.n))
+                    print(f"[eval] {name}: {result.summary()}", flush=True)
                     if result.num_failed:
                         print(f"[eval] {name}: reward: {result.describe_failures()}",
                               file=sys.stderr, flush=True)

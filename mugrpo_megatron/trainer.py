@@ -375,7 +375,8 @@ class Trainer:
         # rank 0 scores; a failure there (reward.on_error: raise) stops every rank
         results = on_rank0(lambda: {name: score_eval(gens[name], prompts, self.scorer,
                                                      self.tokenizer,
-                                                     reported_k(self.cfg, specs[name].n))
+                                                     reported_k(self.cfg, specs[name].n),
+                                                     tools=bool(self.cfg.rollout.tools))
                                     for name, prompts in self.eval_sets.items()})
         if not self.rank0:
             return
@@ -386,9 +387,7 @@ class Trainer:
             "eval_mean_at_k": first.mean_reward, "eval_pass_at_k": first.pass_at[max(first.pass_at)],
             "eval_k": first.samples, "eval_prompts": first.num_prompts})
         for name, r in results.items():
-            self.progress.note(f"held-out {name} ({label}): mean@{r.samples} {r.mean_reward:.3f}, "
-                               + ", ".join(f"pass@{k} {v:.3f}" for k, v in r.pass_at.items())
-                               + f" on {r.num_prompts} prompts")
+            self.progress.note(f"held-out {name} ({label}): {r.summary()}")
             if r.num_failed:
                 self._warn(f"reward, held-out {name} ({label}): {r.describe_failures()}")
 

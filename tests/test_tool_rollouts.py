@@ -60,6 +60,9 @@ def test_train_with_the_python_tool_to_the_end(run):
         assert u["turns"] >= 1 and u["tool_calls"] >= 0 and 0 <= u["tool_token_frac"] < 1
     evals = [r for r in recs if r["kind"] == "eval"]  # held out, with the tools too
     assert len(evals) == 2 and all(r["sets"]["arithmetic"]["mean@1"] > 0 for r in evals)
+    for r in evals:  # and their tool use, as the phases have it
+        s = r["sets"]["arithmetic"]
+        assert s["turns"] >= 1 and s["tool_calls"] > 0 and 0 <= s["tool_error_frac"] <= 1, s
 
 
 def test_trajectories_on_disk_are_what_the_engine_saw(run):
@@ -93,7 +96,7 @@ def test_each_rows_tool_settings_reach_its_calls_in_a_phases_stream(run, capfd):
     """verl's ``extra_info.tools_kwargs``: a phase's stream (``EngineFleet.stream``, what
     ``train`` generates with) gives each prompt's calls that prompt's ``create_kwargs``; the
     stream dropped them and every row's tool ran with {} (``tag=None``). Settings for a tool the
-    run lacks are warned of, once."""
+    run lacks are warned of, once; so is a tool answer that does not fit the token budget."""
     from mugrpo_megatron.config import RolloutConfig
     from mugrpo_megatron.engines import SamplingSpec, make_engine
     from mugrpo_megatron.engines.fleet import EngineFleet
@@ -117,8 +120,17 @@ def test_each_rows_tool_settings_reach_its_calls_in_a_phases_stream(run, capfd):
                                     rows=lambda i: {"python": {"create_kwargs": {"tag": tags[i]}},
                                                     "search": {}}):
             seen[i] = [tok.decode(g.token_ids) for g in gens if g.tool_calls]
+        # a tool answer longer than what is left of the budget: the trajectory ends 'length'
+        # with its call unanswered, counted as failed, and it is said once (it was silent)
+        long = {"python": {"create_kwargs": {"tag": "x" * 1000}}}
+        cut = [g for _, gens in fleet.stream(prompts, SamplingSpec(n=2, max_new_tokens=120,
+                                                                   seed=5),
+                                             positions=[0, 1, 2], rows=lambda i: long)
+               for g in gens if g.tool_calls]
     finally:
         engine.shutdown()
+    assert any(g.finish_reason == "length" and g.tool_errors == g.tool_calls
+               and not g.tool_spans for g in cut), cut
     answered = 0  # calls the tool answered (a malformed one gets an error message instead)
     for i, texts in seen.items():
         for text in texts:
@@ -128,3 +140,4 @@ def test_each_rows_tool_settings_reach_its_calls_in_a_phases_stream(run, capfd):
     assert answered >= 3, seen  # the taught policy calls
     err = capfd.readouterr().err
     assert err.count("name the tool 'search', which rollout.tools does not have") == 1, err
+    assert err.count("did not fit what was left of rollout.max_new_tokens") == 1, err

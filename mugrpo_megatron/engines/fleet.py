@@ -243,11 +243,7 @@ class EngineFleet:
         rank without an engine, which streams nothing."""
         if self.engine is None:
             return 0
-        if self._replica_group is None:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=self._replica_leader, group=self._replica_group)
-        return int(box[0])
+        return value if self._replica_group is None else int(self._share(value))
 
     def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]
                        ) -> WeightSyncStats | None:

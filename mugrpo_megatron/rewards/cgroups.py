@@ -80,15 +80,7 @@ class RunGroup:
     def kill(self) -> None:
         """SIGKILL every process in the group (after a run: what escaped its process group)."""
         for d in set(self.dirs.values()):
-            try:
-                pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
-            except OSError:
-                continue
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+            _kill_members(d)
 
     @classmethod
     def create(cls, memory_bytes: int) -> RunGroup | None:
@@ -188,18 +180,23 @@ class RunGroup:
             _remove(d)
 
 
+def _kill_members(d: Path) -> None:
+    """SIGKILL every process in the group ``d`` (none where it is gone)."""
+    try:
+        pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def _remove(d: Path, patience_s: float = 2.0) -> None:
     deadline = time.monotonic() + patience_s
     while True:
-        try:
-            pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
-        except OSError:
-            pids = []
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        _kill_members(d)
         try:
             d.rmdir()
             return

@@ -18,8 +18,8 @@ calls; the calls that finished since are collected and their samples' next turns
 engine waits on a tool only when it has nothing else to run. Where a replica spans several ranks
 (vLLM spmd, TP > 1), every rank runs this loop on the same outputs; only the replica's leader
 runs the tools, and the finished calls of each step are broadcast to its other ranks
-(``agree``: one small broadcast inside the replica a step), so that every rank's scheduler is
-given the same requests in the same order.
+(``agree``: one small broadcast inside the replica a step while any call is pending, none
+otherwise), so that every rank's scheduler is given the same requests in the same order.
 
 Seeds: turn t > 0 of sample j of the prompt at phase position p samples with a seed derived from
 (the sample's own seed, t) (``turn_seed``): a resumed phase regenerates the same trajectories
@@ -88,11 +88,14 @@ class ToolEngine(RolloutEngine):
         """Calls of a turn that run (``rollout.max_tool_calls_per_turn``)."""
         self._unknown: set[str] = set()
         """Tools named by rows' settings but not run here, each warned of once."""
+        self._unanswered_said = False
+        """Whether a trajectory ended with calls unanswered for the budget was warned of."""
         self.agree = agree
         """The replica leader's value on every rank of its replica (None: a one-rank replica)."""
         self.supports_sleep = inner.supports_sleep
         self.sleep_discards_weights = inner.sleep_discards_weights
         self.max_running_sequences = inner.max_running_sequences
+        self.weight_format = inner.weight_format
 
     # the inner engine's contract, unchanged
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightSyncStats:
@@ -224,11 +227,22 @@ class ToolEngine(RolloutEngine):
 
     def _took_results(self, s: _Sample, results: list[tuple[str, str, bool]],
                       budget: int) -> bool:
-        """Append a turn's tool messages; whether a next turn has room."""
+        """Append a turn's tool messages; whether a next turn has room. Where the messages
+        leave no token for a next turn, the trajectory ends with its calls unanswered: each
+        counts as failed (the phase's tool_error_frac), and the first time it is said why."""
         s.errors += sum(failed for _, _, failed in results)
         s.pending = []
         ids = self.renderer.tool_ids([(name, text) for name, text, _ in results])
         if len(s.tokens) + len(ids) >= budget:
+            s.errors += sum(not failed for _, _, failed in results)
+            if not self._unanswered_said and self.tools is not None:
+                self._unanswered_said = True
+                print(f"warning: a trajectory's tool messages ({len(ids)} tokens) did not fit "
+                      f"what was left of rollout.max_new_tokens = {budget} after its "
+                      f"{len(s.tokens)} tokens: it ended ('length') with its calls unanswered, "
+                      f"each counted as a failed call. Raise rollout.max_new_tokens or lower "
+                      f"rollout.tool_output_chars if this is common", file=sys.stderr,
+                      flush=True)
             return False
         s.spans += [len(s.tokens), len(s.tokens) + len(ids)]
         s.tokens += ids
@@ -239,7 +253,11 @@ class ToolEngine(RolloutEngine):
                ) -> dict[int, list[tuple[str, str, bool]]]:
         """The samples whose every call has finished, with their results, in the order they
         called (on the leader; the same on every rank of the replica). ``wait``: the engine has
-        nothing to run, so wait for at least one."""
+        nothing to run, so wait for at least one. No call pending (``tooling`` is the same list
+        on every rank of a replica: each runs this loop on the same outputs): nothing to agree
+        on, so no broadcast, where there used to be one every engine step."""
+        if not tooling:
+            return {}
         ready: dict[int, list[tuple[str, str, bool]]] | None = None
         if self.tools is not None:
             def done(key: int) -> bool:
