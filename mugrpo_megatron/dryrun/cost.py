@@ -19,7 +19,9 @@ phase's fixed costs are paid and how full the engine runs:
   compute bound, whichever is slower, plus a step's fixed overhead and its tensor-parallel
   all-reduces' latency; a phase ends with its longest response (``Rates.tail_tokens``, the cap:
   some response of a phase reaches it), so a phase of few responses is as long as the longest
-  one alone. Prefill: the prompts once a group (prefix caching), compute bound;
+  one alone, and a phase of many drains its last batch (taken at half the concurrency) for the
+  longest's length beyond the mean. Prefill: the prompts once a group (prefix caching), compute
+  bound;
 - **score**: the reward's seconds a response over ``reward.num_workers``, streamed beside the
   generation: only what outlasts the generation counts;
 - **reference**: with a KL term to a reference (or ``Rates.logprob_passes``: a peer's recomputed
@@ -231,7 +233,8 @@ def phase_cost(cfg: Config, spec: ModelSpec, world: int, gpus_per_node: int,
         decode = steps * decode_step_seconds(spec, cfg, batch, context, rates,
                                              place.nodes_per_replica)
         step = decode / steps
-    else:  # full batches, then the last admitted drain to the longest
+    else:  # full batches, then the last admitted drain to the longest (the thinning batch
+        # taken at half the concurrency)
         full = share * mean / concurrency
         step = decode_step_seconds(spec, cfg, concurrency, context, rates, place.nodes_per_replica)
         drain = max(0.0, tail - mean) * decode_step_seconds(
@@ -301,8 +304,8 @@ TERMS = ("sync", "switch", "generate", "score", "reference", "learner")
 
 def describe(cfg: Config, spec: ModelSpec, world: int, gpus_per_node: int,
              rates: Rates = Rates()) -> list[str]:
-    """The comparison in words: a row a run, its terms in hours, the ratio and its range, and
-    the assumptions."""
+    """The comparison in words: a row a run, its terms in hours (seconds for a run of under
+    two), the ratio and its range, and the assumptions."""
     grpo, mu = compare(cfg, spec, world, gpus_per_node, rates)
     low, high = ratio_range(cfg, spec, world, gpus_per_node, rates)
     unit, per = ("hours", 3600) if grpo.seconds >= 7200 else ("seconds", 1)
