@@ -295,6 +295,35 @@ def test_the_cp_exchange_meets_transformer_engines_rules():
     assert transformer_config(windowed, ModelConfig(path="x"), cp).cp_comm_type == "all_gather"
 
 
+def test_the_cp_rules_loosen_where_newer_transformer_engine_takes_more():
+    """By TE version (read at every tag 2.9-2.18, ``layout.context.TE_RULES``): packed rows go
+    through a2a from 2.10 and all_gather from 2.18 (p2p throughout); multi-latent attention
+    takes every exchange from 2.15 (p2p only before). Without TE installed (this machine), the
+    rules of the range's low end, 2.9."""
+    from helpers import ROOT
+
+    from mugrpo_megatron.config import ParallelConfig
+    from mugrpo_megatron.layout.context import TE_LOW, context_comm_type, packs_with, te_version
+    from mugrpo_megatron.models.hf_config import read_model_spec
+
+    assert packs_with("p2p", (2, 9)) and packs_with(None, (2, 9))
+    assert not packs_with("a2a", (2, 9)) and packs_with("a2a", (2, 10))
+    assert not packs_with("all_gather", (2, 17)) and packs_with("all_gather", (2, 18))
+    assert not packs_with("a2a+p2p", (2, 20))
+    mla = read_model_spec(ROOT / "configs" / "models" / "deepseek-v3.json")
+    a2a = ParallelConfig(tensor=8, context=2, cp_comm_type="a2a", sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"takes p2p only before Transformer Engine 2\.15 "
+                                         r"\(here: 2\.14\)"):
+        context_comm_type(mla, a2a, te=(2, 14))
+    assert context_comm_type(mla, a2a, te=(2, 15)) == "a2a"
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert te_version() == TE_LOW == (2, 9)
+        with pytest.raises(ValueError, match="multi-latent attention"):
+            context_comm_type(mla, a2a)
+
+
 def test_pad_between_seqs_is_tes_own_test_on_the_host():
     """``context.pad_between_seqs`` gives what TE computes with ``torch.equal`` on the device
     when megatron leaves it None, for random packed rows; the field is passed where megatron's
