@@ -22,6 +22,8 @@ PLOTTED = [
     (("rho_neg_below_half_frac",), "A < 0 tokens with rho < 0.5 (fraction)"),
     (("abs_log_ratio_mean",), "|log pi_theta - log pi_behav| (mean): the drift"),
     (("entropy_mean",), "policy entropy (mean over response tokens)"),
+    (("turns", "tool_calls"), "tools: model turns and tool calls a response (rollout.tools)"),
+    (("tool_token_frac",), "tools: share of a trajectory's tokens that are tool messages"),
 ]
 """The per-update curves: keys of an update record, one line each (a mean over no token is
 absent from its record and leaves a gap, not a 0)."""
