@@ -68,6 +68,8 @@ class EvalResult:
     tool_use: dict[str, float] = field(default_factory=dict)
     """With tools (``rollout.tools``): model turns and tool calls a response, and the share of
     calls that failed ('turns', 'tool_calls', 'tool_error_frac'); empty without."""
+    samples: list[dict] = field(default_factory=list, repr=False)
+    """Every response with its prompt and reward (``write_samples``; not in ``as_dict``)."""
 
     @property
     def num_failed(self) -> int:
@@ -145,6 +147,12 @@ def score_eval(gens: Sequence[Sequence[Generation]], prompts: Sequence[Prompt],
             lengths.append(len(g.token_ids))
     outcome = scorer.score(texts, answers, rows)
     n = len(gens[0]) if gens else 1
+    samples = [{"index": prompt.index, "source": prompt.source, "prompt": prompt.text,
+                "response": texts[i * n + j], "reward": outcome.rewards[i * n + j],
+                "tokens": len(g.token_ids), "finish": g.finish_reason,
+                **({"turns": g.turns, "tool_calls": g.tool_calls, "tool_errors": g.tool_errors}
+                   if tools else {})}
+               for i, (prompt, group) in enumerate(zip(prompts, gens)) for j, g in enumerate(group)]
     per_prompt = [outcome.rewards[i * n:(i + 1) * n] for i in range(len(prompts))]
     flat = [g for group in gens for g in group]
     calls = sum(g.tool_calls for g in flat)
@@ -154,7 +162,7 @@ def score_eval(gens: Sequence[Sequence[Generation]], prompts: Sequence[Prompt],
         if tools and flat else {}
     result = replace(_result(per_prompt, lengths, n, ks, outcome.num_timeouts),
                      num_errors=outcome.num_errors, failed_by_source=outcome.failed_by_source,
-                     failure_examples=outcome.errors, tool_use=tool_use)
+                     failure_examples=outcome.errors, tool_use=tool_use, samples=samples)
     sources = sorted({p.source for p in prompts})
     if len(sources) > 1:
         by = {}
@@ -164,6 +172,25 @@ def score_eval(gens: Sequence[Sequence[Generation]], prompts: Sequence[Prompt],
                             [lengths[i * n + j] for i in idx for j in range(n)], n, ks, 0)
         result = replace(result, by_source=by)
     return result
+
+
+def eval_record(results: dict[str, EvalResult], label: str, seconds: float) -> dict:
+    """An evaluation's 'eval' record: each set's numbers, and the first set's under the keys of
+    runs before named sets."""
+    first = next(iter(results.values()))
+    return {"label": label, "seconds": seconds,
+            "sets": {name: r.as_dict() for name, r in results.items()},
+            "eval_mean_at_k": first.mean_reward, "eval_pass_at_k": first.pass_at[max(first.pass_at)],
+            "eval_k": first.samples, "eval_prompts": first.num_prompts}
+
+
+def write_samples(directory: Path, results: dict[str, EvalResult]) -> None:
+    """Each set's responses as JSON lines, ``directory/<set>.jsonl`` (``logging.eval_samples``),
+    each file written whole or not at all."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, r in results.items():
+        outputs.write_file(directory / f"{name}.jsonl",
+                           "".join(json.dumps(sample) + "\n" for sample in r.samples))
 
 
 def _result(per_prompt: list[list[float]], lengths: list[int], n: int, ks: Sequence[int],

@@ -27,7 +27,7 @@ from mugrpo_megatron.data import load_eval_sets
 from mugrpo_megatron.data.prompt_store import discard_staging, open_prompt_set
 from mugrpo_megatron.distributed import on_rank0
 from mugrpo_megatron.engines.fleet import EngineFailed, EngineFleet
-from mugrpo_megatron.evaluation import reported_k, score_eval, set_sampling
+from mugrpo_megatron.evaluation import eval_record, reported_k, score_eval, set_sampling, write_samples
 from mugrpo_megatron.handoff import Handoff, sync_engine_tp
 from mugrpo_megatron.inputs import load_tokenizer, prepare_data
 from mugrpo_megatron.learner.checkpoint import load_learner, prune, save_learner, usable_checkpoint
@@ -380,12 +380,12 @@ class Trainer:
                                     for name, prompts in self.eval_sets.items()})
         if not self.rank0:
             return
-        first = next(iter(results.values()))
-        self.log.log("eval", self.learner.num_updates, {
-            "label": label, "seconds": time.perf_counter() - t0,
-            "sets": {name: r.as_dict() for name, r in results.items()},
-            "eval_mean_at_k": first.mean_reward, "eval_pass_at_k": first.pass_at[max(first.pass_at)],
-            "eval_k": first.samples, "eval_prompts": first.num_prompts})
+        self.log.log("eval", self.learner.num_updates,
+                     eval_record(results, label, time.perf_counter() - t0))
+        keep = self.cfg.logging.eval_samples
+        if keep == "all" or (keep == "ends" and label in ("before", "after")):
+            write_samples(self.run_dir / "eval" / f"{self.learner.num_updates:07d}_"
+                                                  f"{label.replace(' ', '_')}", results)
         for name, r in results.items():
             self.progress.note(f"held-out {name} ({label}): {r.summary()}")
             if r.num_failed:

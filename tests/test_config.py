@@ -76,6 +76,7 @@ def test_yaml_and_overrides(tmp_path):
     ("model.router_dtype=bf16", r"model\.router_dtype: must be one of \['fp32', 'fp64'\]"),
     ("parallel.context=0", r"parallel\.context: must be > 0"),
     ("rollout.max_tool_calls_per_turn=0", r"rollout\.max_tool_calls_per_turn: must be > 0"),
+    ("logging.eval_samples=some", r"logging\.eval_samples: must be one of"),
     ("model.router_bias_update_rate=-0.001", r"model\.router_bias_update_rate: must be >= 0"),
     ("reward.sandbox=http://", r"reward\.sandbox: is not a URL with a host"),
     ("reward.sandbox=docker", r"reward\.sandbox: must be 'bwrap' \(the OS sandbox\), the http\(s\) "
@@ -239,6 +240,7 @@ def test_a_run_config_with_tools_loads_back_as_itself(tmp_path):
 @pytest.mark.parametrize("key, ours", [
     ("rollout.tool_config_path=tools.yaml", "rollout.tools, a list of 'python'"),
     ("rollout.max_parallel_calls=2", "rollout.max_tool_calls_per_turn"),
+    ("logging.validation_data_dir=x", "logging.eval_samples"),
     ("rollout.max_tool_response_length=256", "rollout.tool_output_chars"),
     ("rollout.max_assistant_turns=4", "rollout.max_turns"),
     ("data.apply_chat_template_kwargs={enable_thinking: false}", "data.chat_template_kwargs")])

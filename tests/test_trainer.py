@@ -134,6 +134,15 @@ def test_two_phases_end_to_end_at_tp2(setup):
                                   "veto_response_frac"]), u
     assert any("log_rho_neg_mean" in u for u in updates)
     assert {r["label"] for r in recs if r["kind"] == "eval"} == {"before", "after"}
+    # the held-out responses of the run's first and last evaluation (logging.eval_samples:
+    # ends), as the reward scored them: the record's mean is theirs
+    for r in (r for r in recs if r["kind"] == "eval"):
+        lines = (ref / "eval" / f"{r['update']:07d}_{r['label']}" / "arithmetic.jsonl") \
+            .read_text().splitlines()
+        kept = [json.loads(line) for line in lines]
+        assert len(kept) == 4 and all(k["prompt"] and "response" in k for k in kept), kept
+        assert sum(k["reward"] for k in kept) / 4 == pytest.approx(
+            r["sets"]["arithmetic"]["mean@1"]), (kept, r)
     report = (ref / "report.md").read_text()
     assert all(re.search(rf"^\| {i} \| ", report, re.M) for i in range(3)), report
     assert "| before |" in report and "| after |" in report

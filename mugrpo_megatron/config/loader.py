@@ -92,6 +92,7 @@ PEER_NAMES = {
                                            "(verl's 'middle')",
     "rollout.format": "rollout.tool_format",
     "data.apply_chat_template_kwargs": "data.chat_template_kwargs",
+    "logging.validation_data_dir": "logging.eval_samples ('ends' or 'all': under run_dir/eval)",
 }
 """verl's names for keys this config has under another name (README, 'Coming from verl')."""
 

@@ -321,6 +321,13 @@ class LoggingConfig(Section):
     first: an extra sync that changes nothing of the phase's data (its behaviour log-probs are
     stored) and is not counted in the phase times. 0: only before and after."""
 
+    eval_samples: Literal["none", "ends", "all"] = "ends"
+    """Which held-out evaluations keep their responses, as JSON lines a set in
+    run_dir/eval/<updates>_<label>/<set>.jsonl (each: the prompt, the response as the reward saw
+    it, its reward, tokens and finish; with tools its turns and calls): 'ends' the run's first
+    and last, 'all' every one (``eval_every_updates`` too: at 32k-token responses ~100 MB an
+    evaluation of a few hundred prompts x 8), 'none'. verl: trainer.validation_data_dir."""
+
     run_dir_wait_s: float = 30.0
     """At start every rank reads back a token that rank 0 writes into run_dir, to prove that all
     nodes see one directory; a rank waits this long for it to appear (a network file system's
