@@ -68,7 +68,7 @@ class EvalResult:
     tool_use: dict[str, float] = field(default_factory=dict)
     """With tools (``rollout.tools``): model turns and tool calls a response, and the share of
     calls that failed ('turns', 'tool_calls', 'tool_error_frac'); empty without."""
-    samples: list[dict] = field(default_factory=list, repr=False)
+    responses: list[dict] = field(default_factory=list, repr=False)
     """Every response with its prompt and reward (``write_samples``; not in ``as_dict``)."""
 
     @property
@@ -147,7 +147,7 @@ def score_eval(gens: Sequence[Sequence[Generation]], prompts: Sequence[Prompt],
             lengths.append(len(g.token_ids))
     outcome = scorer.score(texts, answers, rows)
     n = len(gens[0]) if gens else 1
-    samples = [{"index": prompt.index, "source": prompt.source, "prompt": prompt.text,
+    kept = [{"index": prompt.index, "source": prompt.source, "prompt": prompt.text,
                 "response": texts[i * n + j], "reward": outcome.rewards[i * n + j],
                 "tokens": len(g.token_ids), "finish": g.finish_reason,
                 **({"turns": g.turns, "tool_calls": g.tool_calls, "tool_errors": g.tool_errors}
@@ -162,7 +162,7 @@ def score_eval(gens: Sequence[Sequence[Generation]], prompts: Sequence[Prompt],
         if tools and flat else {}
     result = replace(_result(per_prompt, lengths, n, ks, outcome.num_timeouts),
                      num_errors=outcome.num_errors, failed_by_source=outcome.failed_by_source,
-                     failure_examples=outcome.errors, tool_use=tool_use, samples=samples)
+                     failure_examples=outcome.errors, tool_use=tool_use, responses=kept)
     sources = sorted({p.source for p in prompts})
     if len(sources) > 1:
         by = {}
@@ -190,7 +190,7 @@ def write_samples(directory: Path, results: dict[str, EvalResult]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for name, r in results.items():
         outputs.write_file(directory / f"{name}.jsonl",
-                           "".join(json.dumps(sample) + "\n" for sample in r.samples))
+                           "".join(json.dumps(response) + "\n" for response in r.responses))
 
 
 def _result(per_prompt: list[list[float]], lengths: list[int], n: int, ks: Sequence[int],
