@@ -22,7 +22,7 @@ import pyarrow as pa
 from mugrpo_megatron.arrow_files import AtomicFile, buffer_positions, list_column
 from mugrpo_megatron.phase.batches import padded_batch
 from mugrpo_megatron.phase.schedule import Minibatch, Phase, PhaseScheduler
-from mugrpo_megatron.phase.store import column, open_table
+from mugrpo_megatron.phase.store import SINGLE_TURN, column, open_table
 from mugrpo_megatron.rollout_correction import Correction, correct
 from mugrpo_megatron.types import TrainBatch
 
@@ -196,8 +196,7 @@ class PhaseData:
             np.arange(n, dtype=np.int64) // self.group_size
         self.penalty = column(index, "penalty") if "penalty" in have else np.zeros(n)
         self.source = column(index, "source") if "source" in have else np.zeros(n, np.int32)
-        trajectories = {"tool_tokens": 0, "turns": 1, "tool_calls": 0, "tool_errors": 0}
-        for name, default in trajectories.items():  # an index from before trajectories: none
+        for name, default in SINGLE_TURN.items():  # an index from before trajectories: none
             setattr(self, name, column(index, name) if name in have else
                     np.full(n, default, np.int32))
         self.has_tools = bool(self.tool_calls.any())

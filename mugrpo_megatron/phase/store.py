@@ -183,8 +183,8 @@ def write_shard(directory: Path, groups: Sequence[ScoredGroup]) -> Path:
         "source": pa.array(np.repeat([g.source for g in groups], sizes).tolist(), pa.string()),
         "tool_spans": list_column([x for g in groups for x in g.per_response("tool_spans", ())],
                                    np.int32, pa.int32()),
-        **{name: pa.array([x for g in groups for x in g.per_response(name, default)], pa.int32())
-           for name, default in (("turns", 1), ("tool_calls", 0), ("tool_errors", 0))},
+        **{name: pa.array([x for g in groups for x in g.per_response(name, SINGLE_TURN[name])],
+                          pa.int32()) for name in PER_RESPONSE},
     }, schema=SHARD_SCHEMA)
     first = min(g.position for g in groups)
     path = directory / f"shard_{first:09d}.arrow"
@@ -243,8 +243,13 @@ def informative_groups(directory: Path, num_groups: int, group_size: int,
     return out
 
 
-TRAJECTORY_COUNTS = ("tool_tokens", "turns", "tool_calls", "tool_errors")
+SINGLE_TURN = {"tool_tokens": 0, "turns": 1, "tool_calls": 0, "tool_errors": 0}
+"""A response sampled without tools as the trajectory columns hold it, and what a shard or an
+index written before they were kept stands for."""
+TRAJECTORY_COUNTS = tuple(SINGLE_TURN)
 """What the index keeps of each response's trajectory (``rollout.tools``)."""
+PER_RESPONSE = TRAJECTORY_COUNTS[1:]
+"""Those a shard keeps as they came (the tool tokens are summed from the spans)."""
 
 
 def trajectory_counts(t: pa.Table) -> dict[str, np.ndarray]:
@@ -253,8 +258,7 @@ def trajectory_counts(t: pa.Table) -> dict[str, np.ndarray]:
     were kept holds single turns."""
     n = t.num_rows
     if "tool_spans" not in t.column_names:
-        return {"tool_tokens": np.zeros(n, np.int32), "turns": np.ones(n, np.int32),
-                "tool_calls": np.zeros(n, np.int32), "tool_errors": np.zeros(n, np.int32)}
+        return {name: np.full(n, value, np.int32) for name, value in SINGLE_TURN.items()}
     spans = t.column("tool_spans").chunk(0)
     values = spans.values.to_numpy().astype(np.int64)
     signed = np.where(np.arange(len(values)) % 2 == 1, values, -values)  # end - start a span
@@ -262,7 +266,7 @@ def trajectory_counts(t: pa.Table) -> dict[str, np.ndarray]:
     running = np.concatenate([[0], np.cumsum(signed)])
     tool_tokens = (running[offsets[1:]] - running[offsets[:-1]]).astype(np.int32)
     return {"tool_tokens": tool_tokens, **{name: column(t, name).astype(np.int32)
-                                           for name in ("turns", "tool_calls", "tool_errors")}}
+                                           for name in PER_RESPONSE}}
 
 
 def is_generated(directory: Path) -> bool:
