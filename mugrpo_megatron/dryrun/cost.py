@@ -312,7 +312,7 @@ def describe(cfg: Config, spec: ModelSpec, world: int, gpus_per_node: int,
     h = lambda s: f"{s / per:9.1f}"  # noqa: E731
     lines = [f"phase cost (stated rates, not measured; dryrun/cost.py): "
              f"{cfg.algo.total_updates} updates of {cfg.algo.samples_per_update} samples either "
-             f"way, {unit} on {world} GPUs",
+             f"way, {unit} on {world} GPUs ({gpus_per_node} a node)",
              "  run              phases  responses/phase " + "".join(f"{t:>10}" for t in TERMS)
              + "     total"]
     for name, run in ((f"GRPO mu={grpo.mu}", grpo), (f"Mu-GRPO mu={mu.mu}", mu)):
