@@ -38,6 +38,8 @@ TE_LOW = (2, 9)
 """The low end of the TE range we pin (``pyproject.toml``): its rules where TE is not here."""
 TE_RULES = {"mla_any_exchange": (2, 15), "thd_a2a": (2, 10), "thd_all_gather": (2, 18)}
 """The TE version from which each rule of the module docstring loosens."""
+THD_SINCE = {"a2a": TE_RULES["thd_a2a"], "all_gather": TE_RULES["thd_all_gather"]}
+"""The exchanges beside p2p that take packed rows, and the TE version from which they do."""
 
 
 @functools.cache
@@ -98,8 +100,7 @@ def packs_with(kind: str | None, te: tuple[int, int] | None = None) -> bool:
     p2p, with a2a from 2.10, with all_gather from 2.18."""
     if kind in (None, "p2p"):
         return True
-    rule = {"a2a": "thd_a2a", "all_gather": "thd_all_gather"}.get(kind)
-    return rule is not None and _te(te) >= TE_RULES[rule]
+    return kind in THD_SINCE and _te(te) >= THD_SINCE[kind]
 
 
 def check_packing(spec: ModelSpec, parallel: ParallelConfig) -> None:
@@ -107,7 +108,7 @@ def check_packing(spec: ModelSpec, parallel: ParallelConfig) -> None:
     ('auto' then pads instead: ``layout.pack_capacity``)."""
     kind = context_comm_type(spec, parallel)
     if parallel.pack_tokens not in ("auto", 0) and not packs_with(kind):
-        since = {"a2a": TE_RULES["thd_a2a"], "all_gather": TE_RULES["thd_all_gather"]}.get(kind)
+        since = THD_SINCE.get(kind)
         raise ValueError(f"parallel.pack_tokens: packed rows under context parallelism go "
                          f"through Transformer Engine's THD attention, which the {kind} exchange "
                          f"(parallel.cp_comm_type) refuses at TE {'.'.join(map(str, te_version()))}"
