@@ -149,7 +149,7 @@ def score_eval(gens: Sequence[Sequence[Generation]], prompts: Sequence[Prompt],
     n = len(gens[0]) if gens else 1
     kept = [{"index": prompt.index, "source": prompt.source, "prompt": prompt.text,
                 "response": texts[i * n + j], "reward": outcome.rewards[i * n + j],
-                "tokens": len(g.token_ids), "finish": g.finish_reason,
+                "tokens": lengths[i * n + j], "finish": g.finish_reason,
                 **({"turns": g.turns, "tool_calls": g.tool_calls, "tool_errors": g.tool_errors}
                    if tools else {})}
                for i, (prompt, group) in enumerate(zip(prompts, gens)) for j, g in enumerate(group)]
