@@ -102,7 +102,10 @@ def anchor_config(a: Anchor):
                        f"{refused})")
 
 
-def anchors() -> list[str]:
+def anchors() -> tuple[list[str], list[dict]]:
+    """The anchors' table, and each anchor's figures (its implied decode step over the
+    model's: ``implied_step_scale``)."""
+    found = []
     rows = ["| published step | GPUs | mean / max sequence | measured s | model s | model / "
             "measured | sync | switch | generate | log-probs | learner | decode step ms: model, "
             "implied | training layout |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -115,42 +118,35 @@ def anchors() -> list[str]:
         p = cost.phase_cost(cfg, spec, a.gpus, 8, rates)
         # the decode step that would close the gap, were every other term right
         implied = p.step_seconds + (a.step_seconds - p.total) / p.decode_steps
-        IMPLIED.append(implied / p.step_seconds)
-        RESULTS["anchors"].append({"name": a.name, "gpus": a.gpus, "measured_s": a.step_seconds,
-                                   "model_s": p.total, "implied_step_scale": IMPLIED[-1]})
+        found.append({"name": a.name, "gpus": a.gpus, "measured_s": a.step_seconds,
+                      "model_s": p.total, "implied_step_scale": implied / p.step_seconds})
         rows.append(f"| {a.name} | {a.gpus} | {a.mean_sequence:,} / {a.max_sequence:,} | "
                     f"{a.step_seconds:.0f} | {p.total:.0f} | {p.total / a.step_seconds:.2f} | "
                     f"{p.sync:.1f} | {p.switch:.1f} | {p.generate:.0f} | {p.reference:.0f} | "
                     f"{p.learner:.0f} | {p.step_seconds * 1e3:.0f}, {implied * 1e3:.0f} | "
                     f"{layout} |")
-    return rows
+    return rows, found
 
 
-IMPLIED: list[float] = []
-"""Each anchor's implied decode step over the model's (filled by ``anchors``)."""
-RESULTS: dict = {"anchors": [], "configs": {}}
-"""What ``--out`` writes."""
-
-
-def configs() -> list[str]:
-    """Each config's comparison, then its ratio with the decode step as slow as the anchors
-    imply (the least and the most of them)."""
-    out = []
+def configs(scales: list[float]) -> tuple[list[str], dict]:
+    """Each config's comparison, then its ratio with the decode step ``scales`` times the
+    roofline's (the least and the most the anchors imply); and each config's figures."""
+    out, found = [], {}
     for name, world, model in CONFIGS:
         cfg = load_config(ROOT / "configs" / f"{name}.yaml")
         spec = read_model_spec(ROOT / "configs" / "models" / f"{model}.json")
         out += [f"`{name}` on {world} GPUs:", "```", *cost.describe(cfg, spec, world, 8)]
         grpo, mu = cost.compare(cfg, spec, world, 8)
         low, high = cost.ratio_range(cfg, spec, world, 8)
-        RESULTS["configs"][name] = {"grpo_s": grpo.seconds, "mugrpo_s": mu.seconds,
-                                    "ratio": grpo.seconds / mu.seconds, "low": low, "high": high}
-        for scale in (min(IMPLIED), max(IMPLIED)):
+        found[name] = {"grpo_s": grpo.seconds, "mugrpo_s": mu.seconds,
+                       "ratio": grpo.seconds / mu.seconds, "low": low, "high": high}
+        for scale in (min(scales), max(scales)):
             grpo, mu = cost.compare(cfg, spec, world, 8, cost.Rates(decode_step_scale=scale))
             out.append(f"  with decode steps {scale:.1f}x the roofline (an anchor's implied): "
                        f"{grpo.seconds / mu.seconds:.2f}x ({grpo.seconds / 3600:,.0f} h against "
                        f"{mu.seconds / 3600:,.0f} h)")
         out.append("```")
-    return out
+    return out, found
 
 
 def main() -> None:
@@ -159,13 +155,15 @@ def main() -> None:
     ap.add_argument("--results-md", help="replace this script's section of this Markdown file")
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args()
-    against = anchors()  # first: the configs' lines read the anchors' implied decode steps
-    text = "\n".join(["### GRPO mu=4 beside Mu-GRPO, by config", *configs(), "",
+    against, anchored = anchors()
+    by_config, figures = configs([a["implied_step_scale"] for a in anchored])
+    text = "\n".join(["### GRPO mu=4 beside Mu-GRPO, by config", *by_config, "",
                       "### The model against NeMo-RL v0.6's published step times (DGX-H100, "
                       "BF16)", *against])
     print(text)
     if args.out:
-        Path(args.out).write_text(json.dumps(RESULTS, indent=1))
+        Path(args.out).write_text(json.dumps({"anchors": anchored, "configs": figures},
+                                             indent=1))
     if args.results_md:
         import miniature_report
 
